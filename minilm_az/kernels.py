@@ -1,0 +1,134 @@
+"""The four ops a fused kernel can replace: RMSNorm, RoPE, SwiGLU, linear + cross-entropy.
+
+`Ops` bundles one implementation of each; `select_ops(device, liger)` picks once, at model build.
+On CUDA with liger-kernel installed that is Liger's Triton kernels; everywhere else plain torch,
+with a chunked linear cross-entropy so the CPU path does not hold (N, vocab) fp32 logits either.
+liger-kernel imports on a CPU-only machine but its kernels fail there, so the choice is by device,
+never by catching errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 and cast back before the weight, as HF's LlamaRMSNorm does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q (B, H, T, hd), k (B, Hkv, T, hd); cos/sin (T, hd) in HF's rotate-half layout."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Cross-entropy of `h @ w.T` computed `chunk` rows at a time, gradients formed in the forward.
+
+    Only one (chunk, vocab) block of logits exists at a time; backward just scales the stored
+    gradients, so the (N, vocab) logits and their softmax are never held (the trick of Liger's FLCE).
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, targets, ignore_index: int, reduction: str, chunk: int):
+        n = h.shape[0]
+        valid = targets != ignore_index
+        n_valid = int(valid.sum())
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_grad else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
+        for s in range(0, n, chunk):
+            hc, tc = h[s:s + chunk], targets[s:s + chunk]
+            logits = (hc @ w.T).float()  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            safe_t = tc.clamp_min(0)
+            nll = lse - logits.gather(1, safe_t[:, None]).squeeze(1)
+            vc = tc != ignore_index
+            total += torch.where(vc, nll, 0.0).sum()
+            if need_grad:
+                g = torch.softmax(logits, dim=-1)
+                g[torch.arange(len(tc), device=g.device), safe_t] -= 1.0
+                g *= (vc.float() * scale)[:, None]
+                g = g.to(h.dtype)
+                grad_h[s:s + chunk] = g @ w
+                grad_w += (g.T @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w.to(w.dtype) if need_grad else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out if ctx.needs_input_grad[0] else None
+        gw = grad_w * grad_out if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None
+
+
+def chunked_linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                                 reduction: str = "mean", ignore_index: int = -100,
+                                 chunk: int = 2048) -> torch.Tensor:
+    """CE(h @ w.T, targets): mean over non-ignored targets, or the sum (nats) with reduction="sum"."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk)
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable
+    apply_rope: Callable
+    swiglu: Callable
+    linear_cross_entropy: Callable
+
+
+TORCH_OPS = Ops("torch", rms_norm, apply_rope, swiglu, chunked_linear_cross_entropy)
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _liger_ops() -> Ops:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    def l_rms_norm(x, weight, eps):
+        return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+
+    def l_rope(q, k, cos, sin):
+        # Liger wants (1, T, hd) cos/sin; q/k stay (B, H, T, hd).
+        return LigerRopeFunction.apply(q, k, cos[None], sin[None])
+
+    def l_flce(h, w, targets, reduction="mean", ignore_index=-100):
+        loss = LigerFusedLinearCrossEntropyFunction.apply(h, w, targets, None, None, ignore_index,
+                                                          0.0, 0.0, reduction)
+        return loss[0] if isinstance(loss, tuple) else loss
+
+    return Ops("liger", l_rms_norm, l_rope, LigerSiLUMulFunction.apply, l_flce)
+
+
+def select_ops(device: str | torch.device, liger: bool = True) -> Ops:
+    """Liger's kernels on CUDA when requested and installed, else plain torch."""
+    if liger and torch.device(device).type == "cuda" and liger_available():
+        return _liger_ops()
+    return TORCH_OPS
