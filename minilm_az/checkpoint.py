@@ -129,7 +129,8 @@ def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights_into(model: Llama, path: str) -> None:
     """Copy a HF directory's tensors into `model` (plain or FSDP-sharded), checking names and shapes."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {n for n in params if not (model.config.tie_embeddings and n == "lm_head.weight")}
+    # LoRA adapters (lora_A/lora_B) are not in a base checkpoint: they are initialised, not loaded.
+    expected = {n for n in params if "lora_" not in n and not (model.config.tie_embeddings and n == "lm_head.weight")}
     seen: set[str] = set()
     files = weight_files(path)
     for name, tensor in iter_tensors(path):

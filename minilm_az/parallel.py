@@ -1,0 +1,145 @@
+"""Everything distributed, in one place: process group, activation checkpointing, compile, FSDP2.
+
+The model file knows nothing of this. The order follows torchtitan: build on meta, activation
+checkpointing, then per-block `torch.compile`, then `fully_shard` each block and the root, then
+materialise (allocate only the local shards) and load or initialise the weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but no CUDA device is visible")
+    return torch.device(device)
+
+
+def setup(device: str = "auto", timeout_min: int = 30) -> Dist:
+    """Join the torchrun process group (or make a one-process group), bind this rank's GPU.
+
+    A group is made even for one process, so training is one code path: FSDP2 over a mesh of any size.
+    """
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))  # 1 thread/process is fastest here
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:  # a lone process picks a free port so runs never collide
+            import socket
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=timeout_min),
+                                device_id=dev if dev.type == "cuda" else None)
+    return Dist(rank, world, local_rank, dev)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few floats over ranks (in float64, so NLL sums for BPB stay exact enough)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _save_matmuls_policy():
+    # Selective AC: keep what is expensive to recompute (matmuls, attention), recompute the elementwise rest.
+    ops = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        if hasattr(torch.ops.aten, name):
+            ops.append(getattr(torch.ops.aten, name).default)
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Activation checkpointing per block: `full` recomputes the whole block in backward, `selective`
+    keeps matmul and attention outputs and recomputes only the cheap elementwise ops.
+
+    The block's forward is wrapped in place (no wrapper module), so parameter names stay Hugging Face's.
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"--ac must be none, full or selective, got {mode!r}")
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy()) \
+        if mode == "selective" else None
+    for block in model.model.layers.values():
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            kw = {"context_fn": context_fn} if context_fn else {}
+            return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False, **kw, **kwargs)
+        block.forward = forward
+
+
+def apply_compile(model: nn.Module) -> None:
+    """`torch.compile` each block in place (blocks are alike, so one compiled graph serves all);
+    the loss stays outside, so Liger's fused linear cross-entropy is never traced."""
+    for block in model.model.layers.values():
+        block.compile(fullgraph=True)
+
+
+def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: bool = True) -> None:
+    """FSDP2: `fully_shard` each block, then the root (embeddings, final norm, head).
+
+    On GPU the compute copy of the weights is bf16, cast once per all-gather, with gradients reduced
+    in fp32; on CPU (gloo, tests) everything stays fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    blocks = list(model.model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is resharded right away by the root's backward anyway; keeping it saves a gather.
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def parallelize(model: nn.Module, *, mixed_precision: bool, ac: str = "none", compile: bool = False) -> nn.Module:
+    """Apply activation checkpointing, compile and FSDP2 to a (meta-device) model, in that order."""
+    apply_ac(model, ac)
+    if compile:
+        apply_compile(model)
+    apply_fsdp(model, mixed_precision)
+    return model
