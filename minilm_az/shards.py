@@ -1,0 +1,318 @@
+"""The on-disk token-shard format: write, index, memmap read.
+
+A shard directory holds flat little-endian `.bin` files of token ids (uint16 when the vocabulary
+fits, else uint32) and an `index.json`:
+
+    {"format": 1, "dtype": "uint16", "vocab_size": 8000, "tokenizer_hash": "<sha256>", "eos_id": 1,
+     "splits": {"train": {"tokens": ..., "documents": ..., "bytes": ...,
+                          "shards": [{"file": "train_00000.bin", "tokens": ...}, ...]},
+                "val": {...}}, ...}
+
+A split is the concatenation of its shards in order (documents may cross shard boundaries). Each
+document is its tokens followed by exactly one `eos_id`; document text is encoded with special-token
+matching off, so `eos_id` occurs nowhere else and splitting a split at `eos_id` gives back its
+documents in order (`TokenStream.documents()`). `bytes` is the UTF-8 size of the documents' text
+after NFC normalisation (what the tokenizer sees); the EOS separators count as tokens, 0 bytes.
+BPB over a whole split is `nll_bits / bytes`; over a window, sum per-token byte lengths instead
+(`tokenizer.token_byte_lengths`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import queue
+import threading
+import unicodedata
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+FORMAT = 1
+SPLITS = ("train", "val")
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB (uint16) / 400 MB (uint32) files
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds every id of the vocabulary."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def split_of(text: str, val_fraction: float) -> str:
+    """'val' for a deterministic `val_fraction` of documents, by a hash of their (NFC) text.
+
+    Identical documents always land in the same split, so exact duplicates never leak across.
+    """
+    if val_fraction <= 0:
+        return "train"
+    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+    return "val" if h < val_fraction * 2**64 else "train"
+
+
+# --- write -------------------------------------------------------------------------------------------
+
+
+class ShardWriter:
+    """Appends token arrays to rolling `<split>_NNNNN.bin` files; `close()` writes `index.json`."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        vocab_size: int,
+        eos_id: int,
+        tokenizer_hash: str,
+        shard_tokens: int = DEFAULT_SHARD_TOKENS,
+        meta: dict | None = None,
+    ):
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            raise FileExistsError(f"shard output directory is not empty: {out_dir}")
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.shard_tokens = out_dir, shard_tokens
+        self.dtype = np.dtype(dtype_for(vocab_size)).newbyteorder("<")
+        self.index = {
+            "format": FORMAT,
+            "dtype": dtype_for(vocab_size),
+            "vocab_size": vocab_size,
+            "tokenizer_hash": tokenizer_hash,
+            "eos_id": eos_id,
+            "splits": {s: {"tokens": 0, "documents": 0, "bytes": 0, "shards": []} for s in SPLITS},
+            **(meta or {}),
+        }
+        self._files: dict[str, object] = {}
+
+    def add(self, split: str, ids: np.ndarray, documents: int, nbytes: int) -> None:
+        """Append `ids` (whole documents, EOS included) to `split`, counting their documents and bytes."""
+        info = self.index["splits"][split]
+        info["documents"] += documents
+        info["bytes"] += nbytes
+        ids = np.asarray(ids).astype(self.dtype, copy=False)
+        while ids.size:
+            shards = info["shards"]
+            if not shards or shards[-1]["tokens"] >= self.shard_tokens:
+                self._roll(split)
+            room = self.shard_tokens - shards[-1]["tokens"]
+            head, ids = ids[:room], ids[room:]
+            self._files[split].write(head.tobytes())
+            shards[-1]["tokens"] += int(head.size)
+            info["tokens"] += int(head.size)
+
+    def _roll(self, split: str) -> None:
+        if split in self._files:
+            self._files[split].close()
+        shards = self.index["splits"][split]["shards"]
+        name = f"{split}_{len(shards):05d}.bin"
+        self._files[split] = open(os.path.join(self.out_dir, name), "wb")
+        shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> dict:
+        """Close the shard files and write index.json (last, so its presence means complete)."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        tmp = os.path.join(self.out_dir, "index.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.index, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, os.path.join(self.out_dir, "index.json"))
+        return self.index
+
+
+def write_shards(
+    documents: Iterable[str],
+    out_dir: str,
+    encode: Callable[[list[str]], list[list[int]]],
+    vocab_size: int,
+    eos_id: int,
+    tokenizer_hash: str,
+    val_documents: Iterable[str] | None = None,
+    val_fraction: float = 0.01,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    batch_bytes: int = 4 << 20,
+    meta: dict | None = None,
+    on_batch: Callable[[dict], None] | None = None,
+) -> dict:
+    """Encode documents into a shard directory and return its index.
+
+    `encode` batch-encodes plain text (e.g. `functools.partial(tokenizer.encode_plain, tok)`; it
+    should release the GIL, as `encode_batch` does, so reading the next batch overlaps encoding).
+    Documents are NFC-normalised, then split by `split_of(text, val_fraction)`, unless
+    `val_documents` is given: then `documents` all go to train and `val_documents` to val. Memory
+    is bounded by `batch_bytes` of text (a few batches in flight), whatever the corpus size.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if val_documents is None:
+        tagged = ((None, d) for d in documents)
+    else:
+        tagged = itertools.chain((("train", d) for d in documents), (("val", d) for d in val_documents))
+    writer = ShardWriter(out_dir, vocab_size, eos_id, tokenizer_hash, shard_tokens, meta)
+    for split, texts, nbytes in _prefetch(_batches(tagged, val_fraction, batch_bytes)):
+        ids = encode(texts)
+        for x in ids:
+            x.append(eos_id)
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=writer.dtype, count=sum(map(len, ids)))
+        writer.add(split, flat, len(texts), nbytes)
+        if on_batch is not None:
+            on_batch({"split": split, "documents": len(texts), "tokens": int(flat.size), "bytes": nbytes})
+    return writer.close()
+
+
+def _batches(tagged: Iterable[tuple[str | None, str]], val_fraction: float, batch_bytes: int):
+    """Group NFC documents by split into batches of about `batch_bytes`: (split, texts, utf8_bytes)."""
+    pending: dict[str, tuple[list[str], list[int]]] = {s: ([], [0]) for s in SPLITS}
+    for split, text in tagged:
+        text = unicodedata.normalize("NFC", text)
+        split = split or split_of(text, val_fraction)
+        texts, size = pending[split]
+        texts.append(text)
+        size[0] += len(text.encode("utf-8"))
+        if size[0] >= batch_bytes:
+            yield split, texts, size[0]
+            pending[split] = ([], [0])
+    for split, (texts, size) in pending.items():
+        if texts:
+            yield split, texts, size[0]
+
+
+def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """Run a generator in a background thread, `depth` items ahead (its errors re-raised here)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def work():
+        try:
+            for x in items:
+                while not stop.is_set():
+                    try:
+                        q.put((None, x), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((None, done))
+        except BaseException as e:  # handed to the consumer
+            q.put((e, None))
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        while True:
+            err, x = q.get()
+            if err is not None:
+                raise err
+            if x is done:
+                return
+            yield x
+    finally:
+        stop.set()
+        t.join(timeout=5)
+
+
+# --- read --------------------------------------------------------------------------------------------
+
+
+def load_index(data_dir: str) -> dict:
+    """Read and check `<data_dir>/index.json`; a clear error if it is missing, corrupt or incomplete."""
+    path = os.path.join(data_dir, "index.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no index.json in {data_dir}: not a token-shard directory (make one with `tokenize.py encode`)"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: corrupt index ({e})") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{path}: corrupt index (not a JSON object)")
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{path}: unsupported shard format {index.get('format')!r} (expected {FORMAT})")
+    for key in ("dtype", "vocab_size", "tokenizer_hash", "eos_id", "splits"):
+        if key not in index:
+            raise ValueError(f"{path}: corrupt index (missing {key!r})")
+    if index["dtype"] not in ("uint16", "uint32"):
+        raise ValueError(f"{path}: unsupported dtype {index['dtype']!r}")
+    for name, split in index["splits"].items():
+        for key in ("tokens", "documents", "bytes", "shards"):
+            if key not in split:
+                raise ValueError(f"{path}: corrupt index (split {name!r} lacks {key!r})")
+    return index
+
+
+def check_tokenizer(index: dict, tokenizer_hash: str, vocab_size: int | None = None) -> None:
+    """Raise ValueError unless the shards were written with this tokenizer (hash, and vocab size)."""
+    if index["tokenizer_hash"] != tokenizer_hash:
+        raise ValueError(
+            f"token shards were written with tokenizer {index['tokenizer_hash'][:12]}..., "
+            f"not this one ({tokenizer_hash[:12]}...); re-run `tokenize.py encode` with it"
+        )
+    if vocab_size is not None and vocab_size < index["vocab_size"]:
+        raise ValueError(f"vocab size {vocab_size} is smaller than the shards' {index['vocab_size']}")
+
+
+class TokenStream:
+    """One split of a shard directory as one long int64 token sequence, read through memmaps.
+
+    Shards are opened lazily (after a DataLoader fork, say) and never loaded whole.
+    """
+
+    def __init__(self, data_dir: str, split: str = "train"):
+        self.index = load_index(data_dir)
+        if split not in self.index["splits"]:
+            raise ValueError(f"{data_dir}: no split {split!r} (has {sorted(self.index['splits'])})")
+        self.split, self.data_dir = split, data_dir
+        self.eos_id = self.index["eos_id"]
+        self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        info = self.index["splits"][split]
+        self._shards = [s for s in info["shards"] if s["tokens"] > 0]
+        for s in self._shards:
+            path = os.path.join(data_dir, s["file"])
+            want = s["tokens"] * self.dtype.itemsize
+            have = os.path.getsize(path) if os.path.isfile(path) else None
+            if have != want:
+                got = "missing" if have is None else f"{have} bytes"
+                raise ValueError(f"{path}: shard is {got}, index.json says {want} bytes ({s['tokens']} tokens)")
+        self._ends = np.cumsum([s["tokens"] for s in self._shards], dtype=np.int64)
+        self.num_tokens = int(self._ends[-1]) if len(self._ends) else 0
+        self.num_documents = info["documents"]
+        self.num_bytes = info["bytes"]
+        self._maps: list[np.memmap | None] = [None] * len(self._shards)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def _map(self, i: int) -> np.memmap:
+        if self._maps[i] is None:
+            self._maps[i] = np.memmap(os.path.join(self.data_dir, self._shards[i]["file"]), self.dtype, mode="r")
+        return self._maps[i]
+
+    def get(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) as a new int64 array, read across shard boundaries."""
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(f"window [{start}, {start + length}) is outside the {self.num_tokens} {self.split} tokens")
+        out = np.empty(length, dtype=np.int64)
+        i = int(np.searchsorted(self._ends, start, side="right"))
+        pos, filled = start, 0
+        while filled < length:
+            shard_start = int(self._ends[i - 1]) if i else 0
+            lo = pos - shard_start
+            take = min(length - filled, int(self._ends[i]) - pos)
+            out[filled : filled + take] = self._map(i)[lo : lo + take]
+            filled, pos, i = filled + take, pos + take, i + 1
+        return out
+
+    def documents(self, chunk_tokens: int = 1 << 22) -> Iterator[tuple[int, int]]:
+        """(start, end) token spans of the split's documents in order, EOS excluded (ids: get(start, end - start))."""
+        doc_start = 0
+        for lo in range(0, self.num_tokens, chunk_tokens):
+            chunk = self.get(lo, min(chunk_tokens, self.num_tokens - lo))
+            for p in np.flatnonzero(chunk == self.eos_id):
+                end = lo + int(p)
+                yield doc_start, end
+                doc_start = end + 1

@@ -1,0 +1,453 @@
+"""Byte-level BPE for Azerbaijani: training, the special tokens, tokenizer files, corpus reading, fertility.
+
+The tokenizer is a Hugging Face `tokenizers` BPE over bytes, set up like Llama 3's:
+
+- normaliser NFC only (no lowercasing: Azerbaijani I/ı and İ/i are not ASCII casing);
+- the Llama-3 (GPT-4 style) split regex, then the byte-level alphabet (all 256 bytes are tokens,
+  so any input encodes and there is no unknown token);
+- the special tokens at the START of the vocabulary, ids 0..len(SPECIAL_TOKENS)-1 in the order of
+  `SPECIAL_TOKENS` (BOS=0, EOS=1, ...), then the 256 bytes, then the merges;
+- `encode(text)` with special tokens on prepends `<|begin_of_text|>`, as Llama 3's does.
+
+User text is encoded with `encode_plain`: special-token strings in it (a literal `<|eot_id|>`)
+become ordinary text tokens, never control tokens, and no BOS/EOS is added.
+
+Corpus files: `.txt` holds one document a line (`doc_sep="line"`) or blank-line separated
+documents (`doc_sep="blank"`); `.jsonl` holds one JSON object a line with a `text` field; either may
+be gzipped (`.gz`); a directory stands for the corpus files under it. Whitespace-only documents are
+skipped. Files are streamed, never read whole.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import unicodedata
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers.trainers import BpeTrainer
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+START_HEADER = "<|start_header_id|>"
+END_HEADER = "<|end_header_id|>"
+EOT = "<|eot_id|>"
+PAD = "<|finetune_right_pad_id|>"
+NUM_RESERVED = 10
+SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT, PAD] + [
+    f"<|reserved_special_token_{i}|>" for i in range(NUM_RESERVED)
+]
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# Llama 3's pre-tokenizer regex (tiktoken cl100k-style): contractions, letter runs with one optional
+# leading non-letter, numbers in groups of up to 3 digits, punctuation runs, newlines, spaces.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Llama 3's chat format. Content is not stripped, so hand-built ids (specials + encode_plain of the
+# text between them) equal `AutoTokenizer.apply_chat_template(..., tokenize=True)` exactly.
+CHAT_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{%- endif %}"
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
+
+
+class CorpusError(ValueError):
+    """A corpus path or file a user gave is unusable (missing, not UTF-8, malformed line, empty)."""
+
+
+# --- the tokenizer ----------------------------------------------------------------------------------
+
+
+def _special(content: str) -> AddedToken:
+    return AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+
+
+def new_tokenizer() -> Tokenizer:
+    """An untrained tokenizer with our normaliser, pre-tokeniser, decoder and BOS post-processor."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _set_post_processor(tok: Tokenizer) -> None:
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
+
+
+def train_tokenizer(
+    documents: Iterable[str],
+    vocab_size: int,
+    min_frequency: int = 2,
+    max_token_length: int | None = None,
+    progress: bool = True,
+) -> Tokenizer:
+    """Train the byte-level BPE on a stream of documents; `vocab_size` counts specials and bytes.
+
+    Raises ValueError for a vocab size below bytes + specials and CorpusError for an empty corpus.
+    The result can be smaller than `vocab_size` when the corpus runs out of pairs to merge.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab size {vocab_size} is too small: it must hold the 256 bytes and "
+            f"{len(SPECIAL_TOKENS)} special tokens (at least {MIN_VOCAB_SIZE})"
+        )
+    if min_frequency < 1:
+        raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
+    tok = new_tokenizer()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[_special(s) for s in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        max_token_length=max_token_length,
+        show_progress=progress,
+    )
+    counted = _Counted(documents)
+    tok.train_from_iterator(counted, trainer)
+    if counted.n == 0:
+        raise CorpusError("corpus is empty: no documents to train on")
+    _set_post_processor(tok)
+    return tok
+
+
+class _Counted:
+    """Wraps an iterable and counts what passes through (the trainer consumes it in Rust)."""
+
+    def __init__(self, items: Iterable):
+        self.items = items
+        self.n = 0
+
+    def __iter__(self):
+        for x in self.items:
+            self.n += 1
+            yield x
+
+
+def _tokenizer_json(path: str) -> str:
+    p = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(p):
+        where = f"no tokenizer.json in {path}" if os.path.isdir(path) else f"tokenizer not found: {path}"
+        raise FileNotFoundError(where)
+    return p
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load `tokenizer.json` from a directory holding it, or from the file itself."""
+    p = _tokenizer_json(path)
+    try:
+        return Tokenizer.from_file(p)
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise ValueError(f"{p}: not a valid tokenizer.json ({e})") from None
+
+
+def tokenizer_hash(path: str) -> str:
+    """sha256 hex of the `tokenizer.json` bytes (dir or file): ties token shards to their tokenizer."""
+    h = hashlib.sha256()
+    with open(_tokenizer_json(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def encode_plain(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Batch-encode user text with special-token matching off and no BOS/EOS added.
+
+    Flips `tok.encode_special_tokens` for the call (restored after), so do not share one Tokenizer
+    object between threads that encode at the same time.
+    """
+    before = tok.encode_special_tokens
+    tok.encode_special_tokens = True
+    try:
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+    finally:
+        tok.encode_special_tokens = before
+
+
+def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes each id stands for (int64, 0 for special tokens): a window's bytes, for BPB.
+
+    Valid for byte-level BPE (ours, Llama 3's), where each character of a token is one byte.
+    """
+    n = tok.get_vocab_size()
+    lengths = np.zeros(n, dtype=np.int64)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        if i not in special:
+            lengths[i] = len(token)
+    return lengths
+
+
+# --- tokenizer files --------------------------------------------------------------------------------
+
+
+def _tokenizer_config(tok: Tokenizer, model_max_length: int | None) -> dict:
+    added = tok.get_added_tokens_decoder()
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": model_max_length if model_max_length is not None else int(1e30),
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(added.items())
+        },
+    }
+
+
+def write_tokenizer_files(tok: Tokenizer, out_dir: str, model_max_length: int | None = None) -> None:
+    """Write tokenizer.json, tokenizer_config.json (with the chat template), special_tokens_map.json.
+
+    `AutoTokenizer.from_pretrained(out_dir)` then gives the same ids as `tok`. The directory is
+    created if needed; existing files of these names are replaced.
+    """
+    missing = [s for s in (BOS, EOS, PAD, START_HEADER, END_HEADER, EOT) if tok.token_to_id(s) is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks the special tokens {missing}; use copy_tokenizer_files for others")
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tok, model_max_length))
+    _write_json(
+        os.path.join(out_dir, "special_tokens_map.json"),
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+    )
+
+
+def copy_tokenizer_files(src: str, dst_dir: str) -> list[str]:
+    """Copy the tokenizer files of `src` (a dir, or a tokenizer.json) into `dst_dir`, bytes unchanged.
+
+    tokenizer.json must exist; a missing tokenizer_config.json or special_tokens_map.json is written
+    from ours (which needs our special tokens). Returns the file names written.
+    """
+    src_json = _tokenizer_json(src)
+    src_dir = os.path.dirname(os.path.abspath(src_json))
+    os.makedirs(dst_dir, exist_ok=True)
+    shutil.copyfile(src_json, os.path.join(dst_dir, "tokenizer.json"))
+    for name in TOKENIZER_FILES[1:]:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+        elif name == "tokenizer_config.json":
+            _write_json(os.path.join(dst_dir, name), _tokenizer_config(load_tokenizer(src_json), None))
+        else:
+            _write_json(os.path.join(dst_dir, name), {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
+    return list(TOKENIZER_FILES)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+
+
+# --- corpus reading ---------------------------------------------------------------------------------
+
+
+def corpus_files(paths: Iterable[str]) -> list[str]:
+    """Expand corpus paths (files and directories, searched recursively) into a sorted file list."""
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = []
+            for root, dirs, names in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [os.path.join(root, n) for n in sorted(names) if n.endswith(CORPUS_SUFFIXES)]
+            if not found:
+                raise CorpusError(f"no corpus files ({', '.join(CORPUS_SUFFIXES)}) under directory {p}")
+            files += found
+        elif os.path.isfile(p):
+            if not p.endswith(CORPUS_SUFFIXES):
+                raise CorpusError(f"{p}: unsupported corpus file (expected {', '.join(CORPUS_SUFFIXES)})")
+            files.append(p)
+        else:
+            raise CorpusError(f"corpus path not found: {p}")
+    if not files:
+        raise CorpusError("no corpus paths given")
+    return list(dict.fromkeys(files))
+
+
+def iter_documents(
+    files: Iterable[str],
+    doc_sep: str = "line",
+    errors: str = "strict",
+    text_field: str = "text",
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[str]:
+    """Stream the documents of corpus files (see the module docstring for the formats).
+
+    `errors="strict"` raises CorpusError naming the file and byte offset (of the decompressed
+    stream for .gz) of invalid UTF-8; `"replace"` substitutes U+FFFD. `on_bytes(n)` is called with
+    the on-disk bytes consumed, for a progress bar.
+    """
+    if doc_sep not in ("line", "blank"):
+        raise ValueError(f"doc_sep must be 'line' or 'blank', got {doc_sep!r}")
+    if errors not in ("strict", "replace"):
+        raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    for path in files:
+        yield from _file_documents(path, doc_sep, errors, text_field, on_bytes)
+
+
+def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str]:
+    jsonl = path.endswith((".jsonl", ".jsonl.gz"))
+    with open(path, "rb") as raw:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
+        offset, reported, paragraph = 0, 0, []
+        try:
+            for lineno, line in enumerate(stream, 1):
+                try:
+                    text = line.decode("utf-8", errors)
+                except UnicodeDecodeError as e:
+                    raise CorpusError(
+                        f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {lineno}); "
+                        "fix the file or decode with errors='replace' (--errors replace)"
+                    ) from None
+                if lineno == 1 and text.startswith("\ufeff"):
+                    text = text[1:]
+                offset += len(line)
+                if on_bytes is not None and lineno % 1024 == 0:
+                    pos = raw.tell()
+                    on_bytes(pos - reported)
+                    reported = pos
+                text = text.rstrip("\r\n")
+                if jsonl:
+                    doc = _jsonl_text(text, path, lineno, text_field)
+                elif doc_sep == "line":
+                    doc = text
+                else:
+                    if text.strip():
+                        paragraph.append(text)
+                        continue
+                    doc, paragraph = "\n".join(paragraph), []
+                if doc and not doc.isspace():
+                    yield doc
+            if paragraph:
+                yield "\n".join(paragraph)
+        except (EOFError, gzip.BadGzipFile, OSError) as e:
+            raise CorpusError(f"{path}: cannot read ({e})") from None
+        if on_bytes is not None:
+            on_bytes(raw.tell() - reported)
+
+
+def _jsonl_text(line: str, path: str, lineno: int, field: str) -> str | None:
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise CorpusError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+        got = type(obj.get(field)).__name__ if isinstance(obj, dict) and field in obj else "none"
+        raise CorpusError(f"{path}:{lineno}: expected an object with a string {field!r} field (got {got})")
+    return obj[field]
+
+
+def corpus_bytes(files: Iterable[str]) -> int:
+    """On-disk size of the corpus files (the total of a progress bar fed by `on_bytes`)."""
+    return sum(os.path.getsize(f) for f in files)
+
+
+# --- fertility ---------------------------------------------------------------------------------------
+
+
+def fertility(tokenizers_: dict[str, Tokenizer], documents: Iterable[str], batch_docs: int = 1024) -> dict[str, dict]:
+    """Tokens per whitespace word, bytes/token, chars/token of each tokenizer on the same text.
+
+    Text is NFC-normalised once before counting words, chars and bytes (UTF-8) and before encoding,
+    so every tokenizer sees identical input; tokens are counted with `encode_plain` (no BOS/EOS).
+    """
+    totals = {"documents": 0, "words": 0, "chars": 0, "bytes": 0}
+    tokens = dict.fromkeys(tokenizers_, 0)
+    batch: list[str] = []
+
+    def flush():
+        for name, tok in tokenizers_.items():
+            tokens[name] += sum(len(ids) for ids in encode_plain(tok, batch))
+        batch.clear()
+
+    for doc in documents:
+        doc = unicodedata.normalize("NFC", doc)
+        totals["documents"] += 1
+        totals["words"] += len(doc.split())
+        totals["chars"] += len(doc)
+        totals["bytes"] += len(doc.encode("utf-8"))
+        batch.append(doc)
+        if len(batch) >= batch_docs:
+            flush()
+    if batch:
+        flush()
+    out = {}
+    for name, n in tokens.items():
+        out[name] = dict(
+            totals,
+            tokens=n,
+            tokens_per_word=n / max(totals["words"], 1),
+            bytes_per_token=totals["bytes"] / max(n, 1),
+            chars_per_token=totals["chars"] / max(n, 1),
+        )
+    return out
+
+
+def format_fertility(rows: dict[str, dict[str, dict]]) -> str:
+    """A plain-text table of `{corpus_name: fertility(...)}`."""
+    header = ("corpus", "tokenizer", "vocab", "docs", "words", "tokens", "tok/word", "bytes/tok", "chars/tok")
+    lines = []
+    for corpus, by_tok in rows.items():
+        for name, r in by_tok.items():
+            lines.append(
+                (
+                    corpus,
+                    name,
+                    str(r.get("vocab_size", "")),
+                    str(r["documents"]),
+                    str(r["words"]),
+                    str(r["tokens"]),
+                    f"{r['tokens_per_word']:.3f}",
+                    f"{r['bytes_per_token']:.3f}",
+                    f"{r['chars_per_token']:.3f}",
+                )
+            )
+    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(header)]
+    fmt = lambda row: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
