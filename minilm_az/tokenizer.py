@@ -319,14 +319,19 @@ def iter_documents(
 
     `errors="strict"` raises CorpusError naming the file and byte offset (of the decompressed
     stream for .gz) of invalid UTF-8; `"replace"` substitutes U+FFFD. `on_bytes(n)` is called with
-    the on-disk bytes consumed, for a progress bar.
+    the on-disk bytes consumed, for a progress bar. A corpus without documents raises CorpusError.
     """
     if doc_sep not in ("line", "blank"):
         raise ValueError(f"doc_sep must be 'line' or 'blank', got {doc_sep!r}")
     if errors not in ("strict", "replace"):
         raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    files, n = list(files), 0
     for path in files:
-        yield from _file_documents(path, doc_sep, errors, text_field, on_bytes)
+        for doc in _file_documents(path, doc_sep, errors, text_field, on_bytes):
+            n += 1
+            yield doc
+    if n == 0:
+        raise CorpusError(f"corpus is empty: no documents in {', '.join(files) or '(no files)'}")
 
 
 def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str]:

@@ -1,0 +1,291 @@
+"""Stage 1: text -> byte-level BPE tokenizer -> token shards for train.py.
+
+    python tokenize.py train  --corpus data/az --vocab-size 100000 --out runs/tokenizer
+    python tokenize.py report --tokenizer runs/tokenizer --baseline BASE/tokenizer.json --corpus data/az/firefox.txt
+    python tokenize.py encode --tokenizer runs/tokenizer --corpus data/az --out runs/shards
+
+Without --corpus the demo corpus in data/az/ is used: train on mediawiki + kde + django, report on
+firefox (held out), encode the three with firefox as the val split.
+
+The pipeline requires this file's name, which is also the standard library's `tokenize` (imported
+by linecache and inspect, hence by torch and pytest). Whenever the root is on sys.path, `import
+tokenize` finds this file first, so when imported under that name it loads the real module and
+leaves that in sys.modules, which is what the importer hands back. The script is the other branch.
+"""
+
+from __future__ import annotations
+
+# Only these imports are safe in both branches below; module-level code outside the `else` uses only them.
+import contextlib
+import os
+import sys
+
+if __name__ == "tokenize":
+    import importlib.machinery
+    import importlib.util
+
+    _here = os.path.dirname(os.path.realpath(__file__))
+    _path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _here]
+    _spec = importlib.machinery.PathFinder.find_spec("tokenize", _path)
+    if _spec is None:
+        raise ImportError("cannot find the standard-library tokenize module behind tokenize.py")
+    _stdlib = importlib.util.module_from_spec(_spec)
+    sys.modules["tokenize"] = _stdlib
+    _spec.loader.exec_module(_stdlib)
+else:
+    import argparse
+    import functools
+    import json
+    import shutil
+    import tempfile
+    import time
+
+    from tqdm import tqdm
+
+    from minilm_az import shards
+    from minilm_az import tokenizer as tk
+    from minilm_az.logs import format_line
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
+DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
+DEMO_VAL = [os.path.join(DATA_DIR, "firefox.txt")]
+
+
+# --- output directories: refuse to clobber, never leave a half-written one -------------------------
+
+
+def check_out_dir(out: str, overwrite: bool, marker: str) -> None:
+    """Fail early (before hours of work) if `out` cannot be written; `marker` proves it is ours."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise FileExistsError(f"output path exists and is not a directory: {out}")
+    entries = os.listdir(out)
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"output directory exists: {out} (pass --overwrite to replace it)")
+    if marker not in entries:
+        raise FileExistsError(f"refusing to overwrite {out}: it has no {marker}, so it is not an output of this stage")
+
+
+@contextlib.contextmanager
+def staged_dir(out: str):
+    """Yield a temporary sibling of `out`; on success it replaces `out`, on any failure it is removed."""
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.isdir(out):
+        if os.listdir(out):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+            os.replace(out, os.path.join(old, "d"))
+        else:
+            os.rmdir(out)
+    os.replace(tmp, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def progress_bar(files: list[str], desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=tk.corpus_bytes(files), unit="B", unit_scale=True, desc=desc, disable=not enabled)
+
+
+def read(files: list[str], args, bar: tqdm | None = None):
+    on_bytes = bar.update if bar is not None else None
+    return tk.iter_documents(files, args.doc_sep, args.errors, args.text_field, on_bytes)
+
+
+# --- subcommands -------------------------------------------------------------------------------------
+
+
+def cmd_train(args) -> None:
+    files = tk.corpus_files(args.corpus or DEMO_TRAIN)
+    check_out_dir(args.out, args.overwrite, "tokenizer.json")
+    t0 = time.time()
+    with progress_bar(files, "read corpus", args.progress) as bar:
+        tok = tk.train_tokenizer(
+            read(files, args, bar), args.vocab_size, args.min_frequency, args.max_token_length, args.progress
+        )
+    vocab = tok.get_vocab_size()
+    if vocab < args.vocab_size:
+        print(f"warning: corpus too small for {args.vocab_size} ids; trained {vocab}", file=sys.stderr)
+    with staged_dir(args.out) as tmp:
+        tk.write_tokenizer_files(tok, tmp, args.model_max_length)
+        record = {
+            "vocab_size": vocab,
+            "requested_vocab_size": args.vocab_size,
+            "min_frequency": args.min_frequency,
+            "max_token_length": args.max_token_length,
+            "corpus": [os.path.abspath(f) for f in files],
+            "doc_sep": args.doc_sep,
+            "special_tokens": tk.SPECIAL_TOKENS,
+        }
+        with open(os.path.join(tmp, "tokenizer_train.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2, ensure_ascii=False)
+    print(format_line("tokenize_train", vocab_size=vocab, files=len(files), seconds=round(time.time() - t0, 1)))
+    print(f"wrote {args.out}")
+
+
+def _combine(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    out = {}
+    for name in parts[0]:
+        r = {k: sum(p[name][k] for p in parts) for k in ("documents", "words", "chars", "bytes", "tokens")}
+        r["tokens_per_word"] = r["tokens"] / max(r["words"], 1)
+        r["bytes_per_token"] = r["bytes"] / max(r["tokens"], 1)
+        r["chars_per_token"] = r["chars"] / max(r["tokens"], 1)
+        out[name] = r
+    return out
+
+
+def cmd_report(args) -> None:
+    toks = {"ours": tk.load_tokenizer(args.tokenizer)}
+    paths = {"ours": args.tokenizer}
+    if args.baseline:
+        toks["baseline"] = tk.load_tokenizer(args.baseline)
+        paths["baseline"] = args.baseline
+    files = tk.corpus_files(args.corpus or DEMO_VAL)
+    per_file = {}
+    with progress_bar(files, "report", args.progress) as bar:
+        for f in files:
+            per_file[f] = tk.fertility(toks, read([f], args, bar))
+    rows = dict(per_file) if len(files) > 1 else {}
+    rows["all"] = _combine(list(per_file.values()))
+    for by_tok in rows.values():
+        for name, r in by_tok.items():
+            r["vocab_size"] = toks[name].get_vocab_size()
+    print(tk.format_fertility(rows))
+    if "baseline" in toks:
+        a = rows["all"]
+        print(f"fertility ours/baseline: {a['ours']['tokens_per_word'] / a['baseline']['tokens_per_word']:.3f}")
+    report = {
+        "tokenizers": {
+            n: {"path": os.path.abspath(p), "vocab_size": toks[n].get_vocab_size()} for n, p in paths.items()
+        },
+        "corpora": rows,
+    }
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.json}")
+    else:
+        print(text)
+
+
+def cmd_encode(args) -> None:
+    tok = tk.load_tokenizer(args.tokenizer)
+    eos_id = tok.token_to_id(tk.EOS)
+    if eos_id is None:
+        raise ValueError(f"{args.tokenizer}: tokenizer has no {tk.EOS} token to end documents with")
+    corpus, val_corpus = args.corpus, args.val_corpus
+    if not corpus:
+        corpus, val_corpus = DEMO_TRAIN, val_corpus or DEMO_VAL
+    files = tk.corpus_files(corpus)
+    val_files = tk.corpus_files(val_corpus) if val_corpus else None
+    check_out_dir(args.out, args.overwrite, "index.json")
+    meta = {
+        "created_by": "tokenize.py encode",
+        "tokenizer": os.path.abspath(args.tokenizer),
+        "corpus": [os.path.abspath(f) for f in files],
+        "val_corpus": [os.path.abspath(f) for f in val_files] if val_files else None,
+        "val_fraction": 0.0 if val_files else args.val_fraction,
+        "doc_sep": args.doc_sep,
+        "normalization": "NFC",
+    }
+    t0 = time.time()
+    with progress_bar(files + (val_files or []), "encode", args.progress) as bar, staged_dir(args.out) as tmp:
+        index = shards.write_shards(
+            read(files, args, bar),
+            tmp,
+            encode=functools.partial(tk.encode_plain, tok),
+            vocab_size=tok.get_vocab_size(),
+            eos_id=eos_id,
+            tokenizer_hash=tk.tokenizer_hash(args.tokenizer),
+            val_documents=read(val_files, args, bar) if val_files else None,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+            batch_bytes=args.batch_mb << 20,
+            meta=meta,
+        )
+    seconds = time.time() - t0
+    for name, s in index["splits"].items():
+        counts = {k: s[k] for k in ("tokens", "documents", "bytes")}
+        print(format_line(f"tokenize_encode_{name}", **counts, shards=len(s["shards"])))
+    mb_per_s = sum(s["bytes"] for s in index["splits"].values()) / 1e6 / max(seconds, 1e-9)
+    print(format_line("tokenize_encode", dtype=index["dtype"], seconds=round(seconds, 1), mb_per_s=round(mb_per_s, 2)))
+    print(f"wrote {args.out}")
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenize.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def corpus_flags(q, default):
+        q.add_argument(
+            "--corpus", nargs="+", metavar="PATH", help=f".txt/.jsonl files (or .gz of them), dirs; default: {default}"
+        )
+        q.add_argument(
+            "--doc-sep", choices=["line", "blank"], default="line", help=".txt: a document a line, or blank-separated"
+        )
+        q.add_argument("--text-field", default="text", help=".jsonl field holding the text (default: text)")
+        q.add_argument(
+            "--errors", choices=["strict", "replace"], default="strict", help="invalid UTF-8: fail (default) or U+FFFD"
+        )
+        q.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+    t = sub.add_parser("train", help="train the byte-level BPE tokenizer")
+    corpus_flags(t, "data/az mediawiki+kde+django")
+    t.add_argument(
+        "--vocab-size", type=int, default=100_000, help=f"ids incl. bytes and specials (>= {tk.MIN_VOCAB_SIZE})"
+    )
+    t.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default 2)")
+    t.add_argument("--max-token-length", type=int, help="longest token in characters (default: no limit)")
+    t.add_argument("--model-max-length", type=int, help="model_max_length in tokenizer_config.json")
+    t.add_argument("--out", required=True, help="tokenizer directory to write")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer directory")
+    t.set_defaults(func=cmd_train)
+
+    r = sub.add_parser("report", help="fertility, bytes/token, chars/token: ours vs a baseline")
+    corpus_flags(r, "data/az/firefox.txt (held out)")
+    r.add_argument("--tokenizer", required=True, help="our tokenizer dir (or tokenizer.json)")
+    r.add_argument("--baseline", help="a baseline tokenizer.json or the dir holding it (the base model's)")
+    r.add_argument("--json", metavar="FILE", help="write the JSON report here instead of printing it")
+    r.set_defaults(func=cmd_report)
+
+    e = sub.add_parser("encode", help="corpus -> token shards (+ index.json) for train.py")
+    corpus_flags(e, "data/az mediawiki+kde+django, firefox as --val-corpus")
+    e.add_argument("--tokenizer", required=True, help="tokenizer dir (or tokenizer.json)")
+    e.add_argument("--val-corpus", nargs="+", metavar="PATH", help="a separate val corpus (--val-fraction unused)")
+    e.add_argument("--val-fraction", type=float, default=0.01, help="val share of documents, by text hash (0.01)")
+    e.add_argument("--shard-tokens", type=int, default=shards.DEFAULT_SHARD_TOKENS, help="tokens per .bin file")
+    e.add_argument("--batch-mb", type=int, default=4, help="MB of text per encode_batch call (default 4)")
+    e.add_argument("--out", required=True, help="shard directory to write")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing shard directory")
+    e.set_defaults(func=cmd_encode)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # CorpusError is a ValueError
+        print(f"tokenize.py {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tokenize.py {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
