@@ -1,0 +1,316 @@
+"""LoRA: a trainable low-rank update beside a frozen Linear, injected by name, saved in PEFT's format.
+
+`LoRALinear` keeps the frozen base matrix as its own `weight` (so the state-dict name stays Hugging
+Face's `...q_proj.weight`) and adds `lora_A` (r, in; kaiming-uniform) and `lora_B` (out, r; zeros, so
+the model is unchanged at step 0):
+
+    y = x W^T + (alpha / r) · dropout(x) A^T B^T
+
+Inject on the meta model before FSDP sharding (base and adapters then live in the same FSDP unit),
+materialise, load the base weights, then `reset_lora_parameters`. Adapters are written as PEFT's
+`adapter_config.json` + `adapter_model.safetensors` (keys `base_model.model.<module>.lora_A.weight`),
+so `peft.PeftModel.from_pretrained` loads them over the exported base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_BASE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim_override")
+
+
+class AdapterError(ValueError):
+    """An adapter directory that does not fit the model (other base, other rank) or is unreadable."""
+
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    # Same as model.copy_full_into (lora.py imports no engine module): a DTensor keeps only its shard.
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+        param.to_local().copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements).to_local())
+    else:
+        param.copy_(full)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class LoRALinear(nn.Module):
+    """A frozen bias-free Linear plus `scaling · B A` on dropout of its input."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if base.bias is not None:
+            raise ValueError("LoRALinear wraps bias-free Linear layers only (Llama has no biases)")
+        if r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, r, device=w.device, dtype=w.dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+        if w.device.type != "meta":
+            self.reset_lora_parameters()
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, seed: int | None = None) -> None:
+        """A ~ kaiming-uniform(a=√5) as PEFT and nn.Linear do (bound 1/√in), B = 0.
+
+        Drawn whole from a seeded generator and sharded afterwards, so every process count gives the same A.
+        """
+        gen = None
+        if seed is not None:
+            gen = torch.Generator()
+            gen.manual_seed(seed)
+        full = torch.empty(self.lora_A.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+        _copy_full(self.lora_A, full.to(self.lora_A.device))
+        self.lora_B.zero_()
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling · B A, the (out, in) update that `merge` folds into the weight."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            self.weight += self.delta_weight().to(self.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            self.weight -= self.delta_weight().to(self.weight.dtype)
+            self.merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.merged:
+            return y
+        return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha}, merged={self.merged}"
+
+
+# ---------------------------------------------------------------- injection and parameter helpers
+
+def apply_lora(model: nn.Module, r: int = 64, alpha: float = 28, dropout: float = 0.05,
+               targets: Iterable[str] = TARGETS) -> list[str]:
+    """Replace every Linear whose attribute name is in `targets` by a LoRALinear; freeze the rest.
+
+    Returns the replaced module names. Raises if a target matches nothing (a typo would otherwise train nothing).
+    """
+    targets = tuple(targets)
+    if not targets:
+        raise ValueError("apply_lora: no target modules given")
+    replaced, hit = [], set()
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and isinstance(child, nn.Linear):
+                # New modules start in train mode: follow the layer replaced, so an eval model stays eval.
+                setattr(module, child_name, LoRALinear(child, r, alpha, dropout).train(child.training))
+                replaced.append(f"{name}.{child_name}" if name else child_name)
+                hit.add(child_name)
+    unmatched = [t for t in targets if t not in hit]
+    if unmatched:
+        raise ValueError(f"apply_lora: target(s) {unmatched} match no nn.Linear in the model")
+    mark_only_lora_trainable(model)
+    model.lora_config = {"r": r, "alpha": alpha, "dropout": dropout, "targets": list(targets)}
+    return replaced
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield name, m
+
+
+def mark_only_lora_trainable(model: nn.Module) -> None:
+    """requires_grad on lora_A/lora_B only; every other parameter is frozen."""
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters (what the optimiser gets)."""
+    return [p for n, p in model.named_parameters() if "lora_" in n]
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; shared (tied) tensors counted once; works on meta models."""
+    seen, trainable, total = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable, total
+
+
+def reset_lora_parameters(model: nn.Module, seed: int = 0) -> None:
+    """Initialise every adapter (after `materialize`), each from its own seed, whatever the sharding."""
+    for i, (_, m) in enumerate(lora_modules(model)):
+        m.reset_lora_parameters(seed * 1_000_003 + i)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight and put a plain nn.Linear back (for a merged HF export)."""
+    for name, m in list(lora_modules(model)):
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        with torch.no_grad():
+            lin = nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device, dtype=m.weight.dtype)
+            lin.weight.copy_(m.weight if m.merged else m.weight + m.delta_weight().to(m.weight.dtype))
+        setattr(parent, name.rsplit(".", 1)[-1], lin)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model
+
+
+# ---------------------------------------------------------------- PEFT-format adapters
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT-named full adapter tensors. On a sharded model every rank must call it (it gathers)."""
+    out = {}
+    for name, m in lora_modules(model):
+        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = _full(m.lora_A.detach())
+        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = _full(m.lora_B.detach())
+    return out
+
+
+def _base_fingerprint(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    return {k: d[k] for k in _BASE_FIELDS if k in d}
+
+
+def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None,
+                 is_writer: bool = True, dtype: torch.dtype = torch.float32) -> None:
+    """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT's format) into `path`, atomically.
+
+    The base model's shape is kept in the safetensors metadata, so `load_adapter` can refuse another base.
+    """
+    lc = getattr(model, "lora_config", None)
+    if lc is None:
+        raise ValueError("save_adapter: the model has no LoRA adapters (call apply_lora first)")
+    tensors = lora_state_dict(model)  # every rank: gathering is collective
+    if not is_writer:
+        return
+    tensors = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": lc["r"], "lora_alpha": lc["alpha"], "lora_dropout": lc["dropout"],
+        "target_modules": sorted(lc["targets"]), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+        "use_rslora": False, "use_dora": False, "revision": None,
+    }
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE),
+                  metadata={"format": "pt", "minilm_az.base": json.dumps(_base_fingerprint(model), sort_keys=True)})
+        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        os.makedirs(path, exist_ok=True)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):  # weights first: a config never points at old weights
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_adapter_config(path: str) -> dict:
+    f = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(f):
+        raise AdapterError(f"{path}: no {CONFIG_FILE} (expected a PEFT LoRA adapter directory)")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{f}: not valid JSON ({e})") from None
+    if cfg.get("peft_type") != "LORA":
+        raise AdapterError(f"{f}: peft_type is {cfg.get('peft_type')!r}, only LORA adapters are supported")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in cfg:
+            raise AdapterError(f"{f}: missing field {key!r}")
+    if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("bias", "none") != "none":
+        raise AdapterError(f"{f}: DoRA, rsLoRA and LoRA biases are not supported")
+    return cfg
+
+
+def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> list[str]:
+    """Inject LoRA as the adapter's config says and load its tensors; returns the module names.
+
+    Raises AdapterError naming the file and tensor when the adapter was made for another base model.
+    """
+    cfg = read_adapter_config(path)
+    wfile = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(wfile):
+        raise AdapterError(f"{path}: no {WEIGHTS_FILE}")
+    targets = cfg["target_modules"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    with safe_open(wfile, framework="pt") as f:
+        meta = f.metadata() or {}
+        if "minilm_az.base" in meta:
+            theirs, ours = json.loads(meta["minilm_az.base"]), _base_fingerprint(model)
+            diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
+            if diff:
+                raise AdapterError(f"{wfile}: adapter was trained on a different base model "
+                                   f"(adapter vs this model: {diff})")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if not hasattr(model, "lora_config"):
+        try:
+            apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"],
+                       dropout=cfg.get("lora_dropout", 0.0) if dropout is None else dropout, targets=targets)
+        except ValueError as e:
+            raise AdapterError(f"{path}: {e} (adapter for a different architecture?)") from None
+    modules = dict(lora_modules(model))
+    seen = set()
+    for key, t in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            suffix = f".{part}.weight"
+            if name.endswith(suffix):
+                mod = name[: -len(suffix)]
+                break
+        else:
+            raise AdapterError(f"{wfile}: unexpected tensor {key!r} (not a LoRA A/B weight)")
+        if mod not in modules:
+            raise AdapterError(f"{wfile}: tensor {key!r} targets module {mod!r}, which this model does not have "
+                               "(adapter for a different base model?)")
+        p = getattr(modules[mod], part)
+        if tuple(t.shape) != tuple(p.shape):
+            raise AdapterError(f"{wfile}: tensor {key!r} has shape {tuple(t.shape)}, this model expects "
+                               f"{tuple(p.shape)} (adapter for a different base model or rank?)")
+        with torch.no_grad():
+            _copy_full(p, t.to(device=p.device, dtype=torch.float32))
+        seen.add((mod, part))
+    missing = [f"{m}.{part}" for m in modules for part in ("lora_A", "lora_B") if (m, part) not in seen]
+    if missing:
+        raise AdapterError(f"{wfile}: missing adapter tensor(s) {', '.join(missing[:4])}"
+                           + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+    return list(modules)
