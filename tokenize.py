@@ -75,6 +75,9 @@ def staged_dir(out: str):
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
     try:
         yield tmp
     except BaseException:

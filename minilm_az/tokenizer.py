@@ -217,7 +217,7 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int | None) -> dict:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
-        "pad_token": PAD,
+        "pad_token": PAD if tok.token_to_id(PAD) is not None else None,  # None: AutoTokenizer would add one
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -272,7 +272,8 @@ def copy_tokenizer_files(src: str, dst_dir: str) -> list[str]:
         elif name == "tokenizer_config.json":
             _write_json(os.path.join(dst_dir, name), _tokenizer_config(load_tokenizer(src_json), None))
         else:
-            _write_json(os.path.join(dst_dir, name), {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
+            config = _tokenizer_config(load_tokenizer(src_json), None)
+            _write_json(os.path.join(dst_dir, name), {k: config[k] for k in ("bos_token", "eos_token", "pad_token")})
     return list(TOKENIZER_FILES)
 
 
