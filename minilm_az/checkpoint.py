@@ -126,8 +126,21 @@ def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights_into(model: Llama, path: str) -> None:
-    """Copy a HF directory's tensors into `model` (plain or FSDP-sharded), checking names and shapes."""
+def read_tensor(path: str, name: str) -> torch.Tensor:
+    """One tensor of a HF directory, read alone."""
+    files = weight_files(path)
+    if name not in files:
+        raise CheckpointError(f"{path}: no tensor {name!r}")
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor] | None = None) -> None:
+    """Copy a HF directory's tensors into `model` (plain or FSDP-sharded), checking names and shapes.
+
+    `overrides` supplies some tensors instead of the files (the vocabulary-transferred embedding).
+    """
+    overrides = overrides or {}
     params = dict(model.named_parameters(remove_duplicate=False))
     # LoRA adapters (lora_A/lora_B) are not in a base checkpoint: they are initialised, not loaded.
     expected = {n for n in params if "lora_" not in n and not (model.config.tie_embeddings and n == "lm_head.weight")}
@@ -137,7 +150,7 @@ def load_weights_into(model: Llama, path: str) -> None:
         where = os.path.basename(files[name])
         if name.endswith("rotary_emb.inv_freq"):  # old exports carried the RoPE buffer; we recompute it
             continue
-        if name == "lm_head.weight" and model.config.tie_embeddings:
+        if (name == "lm_head.weight" and model.config.tie_embeddings) or name in overrides:
             continue  # some tied exports still carry the head; the embedding is the one we keep
         if name not in params:
             raise CheckpointError(f"{path}/{where}: unknown tensor {name!r} (not a Llama weight of this shape)")
@@ -147,6 +160,10 @@ def load_weights_into(model: Llama, path: str) -> None:
                                   f"the model expects {tuple(p.shape)} (config.json disagrees with weights)")
         with torch.no_grad():
             copy_full_into(p, tensor.to(device=p.device, dtype=torch.float32))
+        seen.add(name)
+    for name, tensor in overrides.items():
+        with torch.no_grad():
+            copy_full_into(params[name], tensor.to(device=params[name].device, dtype=torch.float32))
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:
@@ -230,3 +247,91 @@ def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
     for f in os.listdir(tmp):
         os.replace(os.path.join(tmp, f), os.path.join(path, f))
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- training checkpoints (DCP)
+
+def _step_dir(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"step-{step:08d}")
+
+
+def latest_checkpoint(ckpt_dir: str | None) -> str | None:
+    """The newest complete checkpoint: the one `latest` names, else the highest complete step dir."""
+    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+        return None
+    pointer = os.path.join(ckpt_dir, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as fh:
+            cand = os.path.join(ckpt_dir, fh.read().strip())
+        if os.path.isfile(os.path.join(cand, "train_state.json")):
+            return cand
+    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-") and not d.endswith(".tmp")
+                  and os.path.isfile(os.path.join(ckpt_dir, d, "train_state.json")))
+    return os.path.join(ckpt_dir, done[-1]) if done else None
+
+
+def save_train_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_state: dict,
+                          rank: int, local_rank: int, keep: int = 2) -> str:
+    """Sharded model + optimizer (DCP), this rank's RNG, and `train_state.json`, written atomically.
+
+    Every rank writes into `step-N.tmp`; after a barrier, local rank 0 of each host renames it to
+    `step-N` (so per-host disks, as on SageMaker, work too), then points `latest` at it. A crash at any
+    point leaves the previous complete checkpoint untouched and `latest` still naming it.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = _step_dir(ckpt_dir, step)
+    tmp = final + ".tmp"
+    if local_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, os.path.join(tmp, f"rng-{rank:05d}.safetensors"))
+    if rank == 0:
+        with open(os.path.join(tmp, "train_state.json"), "w") as fh:
+            json.dump({**train_state, "step": step}, fh, indent=2)
+    dist.barrier()
+    if local_rank == 0 and os.path.isdir(tmp):
+        shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except FileNotFoundError:  # a shared disk: another host's local rank 0 renamed it first
+            pass
+        with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as fh:
+            fh.write(os.path.basename(final))
+        os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+        old = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-") and not d.endswith(".tmp"))
+        for d in old[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(ckpt_dir, d), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_train_checkpoint(path: str, model, optimizer, rank: int) -> dict:
+    """Restore model + optimizer shards (any world size: DCP reshards), this rank's RNG; return train_state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state_file = os.path.join(path, "train_state.json")
+    if not os.path.isfile(state_file):
+        raise CheckpointError(f"{path}: incomplete checkpoint (no train_state.json)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = os.path.join(path, f"rng-{rank:05d}.safetensors")
+    if os.path.isfile(rng_file):  # absent when resuming on more ranks than saved: fresh RNG for those
+        with safe_open(rng_file, "pt") as f:
+            torch.set_rng_state(f.get_tensor("cpu"))
+            if torch.cuda.is_available() and "cuda" in f.keys():
+                torch.cuda.set_rng_state(f.get_tensor("cuda"))
+    with open(state_file) as fh:
+        return json.load(fh)
+
