@@ -63,9 +63,11 @@ def test_all_256_bytes_are_tokens_so_unseen_scripts_encode(tok):
 
     vocab = tok.get_vocab()
     assert all(ch in vocab for ch in ByteLevel.alphabet())
-    text = "".join(chr(c) for c in range(0x20, 0x3000, 7)) + "\x00\x01\x7f"
-    [ids] = tk.encode_plain(tok, [text])
-    assert decode(tok, ids) == unicodedata.normalize("NFC", text)  # some of these code points are not NFC
+    # letters, digits, symbols of many scripts (no combining marks: their order is up to NFC tables)
+    chars = (chr(c) for c in range(0x20, 0x30000, 13))
+    text = "".join(c for c in chars if unicodedata.category(c)[0] in "LNPS" and unicodedata.normalize("NFC", c) == c)
+    [ids] = tk.encode_plain(tok, [text + "\x00\x01\x7f"])
+    assert decode(tok, ids) == text + "\x00\x01\x7f"
 
 
 def test_no_lowercasing_dotted_and_dotless_i_stay_distinct(tok):
