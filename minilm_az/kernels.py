@@ -107,24 +107,26 @@ def liger_available() -> bool:
 
 
 def _liger_ops() -> Ops:
-    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    from liger_kernel.ops.rope import LigerRopeFunction
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.functional import (
+        liger_fused_linear_cross_entropy,
+        liger_rms_norm,
+        liger_rope,
+        liger_swiglu,
+    )
 
     def l_rms_norm(x, weight, eps):
-        return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", False)
+        return liger_rms_norm(x, weight, eps, 0.0, "llama", False)
 
     def l_rope(q, k, cos, sin):
-        # Liger wants (1, T, hd) cos/sin; q/k stay (B, H, T, hd).
-        return LigerRopeFunction.apply(q, k, cos[None], sin[None])
+        # Liger takes q (B, H, T, hd), k (B, Hkv, T, hd) and (1, T, hd) cos/sin in HF's layout.
+        return liger_rope(q, k, cos[None], sin[None])
 
     def l_flce(h, w, targets, reduction="mean", ignore_index=-100):
-        loss = LigerFusedLinearCrossEntropyFunction.apply(h, w, targets, None, None, ignore_index,
-                                                          0.0, 0.0, reduction)
-        return loss[0] if isinstance(loss, tuple) else loss
+        # fp32 accumulation of the head gradient: bf16 sums over 100k rows x many chunks drift.
+        return liger_fused_linear_cross_entropy(h, w, targets, ignore_index=ignore_index, reduction=reduction,
+                                                accum_dtype=torch.float32)
 
-    return Ops("liger", l_rms_norm, l_rope, LigerSiLUMulFunction.apply, l_flce)
+    return Ops("liger", l_rms_norm, l_rope, liger_swiglu, l_flce)
 
 
 def select_ops(device: str | torch.device, liger: bool = True) -> Ops:

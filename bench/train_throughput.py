@@ -1,0 +1,211 @@
+"""Training throughput of our engine against Hugging Face transformers + Liger, in one run, on one GPU.
+
+    python bench/train_throughput.py --out bench/results.json            # the full table (H200: ~8 min)
+    python bench/train_throughput.py --preset tiny --device cpu --quick  # a smoke test of the script
+
+Every row runs the same work: the 1B shape (vocab 100k), seq 2048, bf16 compute, AdamW, grad clip 1.0,
+random tokens, `--warmup` untimed steps then `--steps` timed ones. Ours is the real training path
+(meta build -> `parallel.parallelize` (FSDP2, bf16 compute weights cast once per step) -> materialise);
+the peer is `transformers.LlamaForCausalLM` in fp32 with bf16 autocast and
+`liger_kernel.transformers.apply_liger_kernel_to_llama()`. Ratios are against the peer's best row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from minilm_az import parallel  # noqa: E402
+from minilm_az.checkpoint import config_to_hf  # noqa: E402
+from minilm_az.kernels import select_ops  # noqa: E402
+from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
+
+PEAK = 989e12
+
+
+def matmul_peak(device) -> float:
+    """bf16 8192^3 matmul FLOP/s measured here (the achievable ceiling for MFU)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def build_ours(cfg, device, liger: bool, compile: bool, ac: str):
+    model = meta_model(cfg, select_ops(device, liger))
+    parallel.parallelize(model, mixed_precision=device.type == "cuda", ac=ac, compile=compile)
+    materialize(model, device, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+
+    def step(x, y):
+        loss = model(x, targets=y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return model, step
+
+
+def build_peer(cfg, device, ac: bool, liger: bool = True):
+    import transformers
+    if liger and device.type == "cuda":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    hf_cfg = {k: v for k, v in config_to_hf(cfg, torch.float32).items()
+              if k not in ("architectures", "model_type", "torch_dtype")}
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg, attn_implementation="sdpa")).to(device)
+    if ac:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.config.use_cache = False
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def step(x, y):
+        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            loss = hf(input_ids=x, labels=y, use_cache=False).loss  # labels are shifted inside
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return hf, step
+
+
+def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
+    row = {"variant": name, "micro_batch": mb}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = step = None
+    try:
+        model, step = builder()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, cfg.vocab_size, (mb, seq + 1), generator=g).to(device)
+        inp, tgt = x[:, :-1], x[:, 1:]
+        labels = x[:, :-1]  # the peer shifts labels itself: same targets as ours
+        peer = name.startswith("peer")
+        for _ in range(warmup):
+            step(inp, labels if peer else tgt)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            loss = step(inp, labels if peer else tgt)
+        float(loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / steps
+        row.update(tokens_per_s=mb * seq / dt, step_s=dt, loss=float(loss),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"))
+    except torch.cuda.OutOfMemoryError:
+        row.update(tokens_per_s=None, oom=True)
+    finally:
+        del model, step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3.2-1b")
+    p.add_argument("--vocab", type=int, default=100_352)  # 100k, padded to a multiple of 128
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, few rows: checks the script runs")
+    p.add_argument("--only", default=None, help="comma-separated variant names to run")
+    p.add_argument("--out", default="bench/train_throughput.json")
+    args = p.parse_args()
+    d = parallel.setup(args.device)
+    device = d.device
+    cfg = get_preset(args.preset, args.vocab)
+    seq = min(args.seq, cfg.max_seq_len)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    mbs = [1, 2] if args.quick else [1, 2, 4, 8, 14]
+    big = [] if args.quick else [16, 20, 24, 28, 32]
+    peer_liger = cuda
+    one = [2] if args.quick else [14]
+    plan = [  # (name, builder(mb) -> (model, step), micro-batches)
+        ("peer_hf_liger", lambda: build_peer(cfg, device, ac=False, liger=peer_liger), mbs + big),
+        ("peer_hf_liger_ac", lambda: build_peer(cfg, device, ac=True, liger=peer_liger), one),
+        ("ours_torch", lambda: build_ours(cfg, device, False, False, "none"), [8, 14] if not args.quick else [2]),
+        ("ours_liger", lambda: build_ours(cfg, device, True, False, "none"), [8, 14] if not args.quick else [2]),
+        ("ours_liger_compile", lambda: build_ours(cfg, device, True, cuda, "none"), mbs + big),
+        ("ours_torch_compile", lambda: build_ours(cfg, device, False, cuda, "none"), one),
+        ("ours_liger_compile_ac_selective", lambda: build_ours(cfg, device, True, cuda, "selective"),
+         [14, 20] if not args.quick else [2]),
+        ("ours_liger_compile_ac_full", lambda: build_ours(cfg, device, True, cuda, "full"),
+         [14, 32] if not args.quick else [2]),
+    ]
+    if args.only:
+        keep = set(args.only.split(","))
+        plan = [r for r in plan if r[0] in keep]
+    peak_meas = matmul_peak(device)
+    flops_tok = cfg.flops_per_token(seq)
+    rows = []
+    for name, builder, sizes in plan:
+        for mb in sizes:
+            row = run_row(name, builder, cfg, mb, seq, device, args.warmup, args.steps)
+            if row.get("tokens_per_s"):
+                row["mfu_989"] = 100 * flops_tok * row["tokens_per_s"] / PEAK
+                row["mfu_measured"] = 100 * flops_tok * row["tokens_per_s"] / peak_meas if cuda else float("nan")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if row.get("oom"):
+                break
+    peer_best = max((r["tokens_per_s"] for r in rows if r["variant"].startswith("peer") and r.get("tokens_per_s")),
+                    default=None)
+    print(f"\n{'variant':34s} {'mb':>3s} {'tokens/s':>9s} {'vs peer':>7s} {'MFU%989':>7s} {'MFU%meas':>8s} "
+          f"{'peak GiB':>8s}")
+    for r in rows:
+        if not r.get("tokens_per_s"):
+            print(f"{r['variant']:34s} {r['micro_batch']:3d} {'OOM':>9s}")
+            continue
+        ratio = r["tokens_per_s"] / peer_best if peer_best else float("nan")
+        print(f"{r['variant']:34s} {r['micro_batch']:3d} {r['tokens_per_s']:9.0f} {ratio:7.2f} "
+              f"{r['mfu_989']:7.1f} {r['mfu_measured']:8.1f} {r['peak_gib']:8.1f}")
+    import transformers
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "matmul_peak_tflops": peak_meas / 1e12,
+            "flops_per_token": flops_tok, "seq": seq, "vocab": cfg.vocab_size, "argv": sys.argv}
+    try:
+        import liger_kernel
+        meta["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+    except ImportError:
+        pass
+    print(json.dumps(meta))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    parallel.teardown()
+
+
+if __name__ == "__main__":
+    main()

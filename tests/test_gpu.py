@@ -1,0 +1,137 @@
+"""GPU path: Liger's fused ops against our torch ops, and a sharded model with and without them.
+
+Marked `gpu`: skipped without CUDA (see conftest.py); run on a GPU with `pytest -m gpu tests/test_gpu.py`.
+"""
+
+import os
+
+import pytest
+import torch
+
+from minilm_az import kernels
+from minilm_az.model import ModelConfig, materialize, meta_model
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16 = dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def liger():
+    pytest.importorskip("liger_kernel")
+    ops = kernels.select_ops(DEV, liger=True)
+    assert ops.name == "liger"
+    return ops
+
+
+@pytest.fixture(scope="module")
+def group():
+    from minilm_az import parallel
+    os.environ.setdefault("MASTER_PORT", "29611")
+    return parallel.setup("cuda")
+
+
+def _grads(fn, *xs):
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+    out = fn(*xs)
+    outs = out if isinstance(out, tuple) else (out,)
+    loss = sum((o.float() * torch.randn_like(o.float(), generator=torch.Generator(DEV).manual_seed(9))).sum()
+               for o in outs)
+    loss.backward()
+    return outs, [x.grad for x in xs if x.grad is not None]
+
+
+def _close(a, b, **tol):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x.float(), y.float(), **(tol or BF16))
+
+
+def test_liger_rms_norm_matches_torch(liger):
+    x = torch.randn(4, 256, 2048, device=DEV, dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(2048, device=DEV, dtype=torch.bfloat16)
+    (a, ga), (b, gb) = _grads(lambda x, w: liger.rms_norm(x, w, 1e-5), x, w), \
+        _grads(lambda x, w: kernels.rms_norm(x, w, 1e-5), x, w)
+    _close(a, b)
+    _close(ga[:1], gb[:1])
+    torch.testing.assert_close(ga[1].float(), gb[1].float(), atol=1.0, rtol=2e-2)  # a sum over 1024 rows
+
+
+def test_liger_rope_matches_torch(liger):
+    from minilm_az.model import rope_inv_freq
+    cfg = ModelConfig()
+    t = torch.arange(512, device=DEV, dtype=torch.float32)
+    f = torch.outer(t, rope_inv_freq(cfg, DEV))
+    emb = torch.cat((f, f), -1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    q = torch.randn(2, 32, 512, 64, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 512, 64, device=DEV, dtype=torch.bfloat16)
+    (a, ga), (b, gb) = _grads(lambda q, k: liger.apply_rope(q, k, cos, sin), q, k), \
+        _grads(lambda q, k: kernels.apply_rope(q, k, cos, sin), q, k)
+    _close(a, b)
+    _close(ga, gb)
+
+
+def test_liger_swiglu_matches_torch(liger):
+    g = torch.randn(4, 256, 8192, device=DEV, dtype=torch.bfloat16)
+    u = torch.randn(4, 256, 8192, device=DEV, dtype=torch.bfloat16)
+    (a, ga), (b, gb) = _grads(liger.swiglu, g, u), _grads(kernels.swiglu, g, u)
+    _close(a, b)
+    _close(ga, gb)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_liger_flce_matches_chunked_torch(liger, reduction):
+    h = torch.randn(2048, 2048, device=DEV, dtype=torch.bfloat16)
+    w = 0.02 * torch.randn(100_352, 2048, device=DEV, dtype=torch.bfloat16)
+    t = torch.randint(0, 100_352, (2048,), device=DEV)
+    t[::7] = -100
+    (a, ga), (b, gb) = _grads(lambda h, w: liger.linear_cross_entropy(h, w, t, reduction=reduction), h, w), \
+        _grads(lambda h, w: kernels.chunked_linear_cross_entropy(h, w, t, reduction=reduction), h, w)
+    torch.testing.assert_close(a[0].float(), b[0].float(), rtol=1e-3, atol=1e-2)
+    for x, y in zip(ga, gb, strict=True):  # relative to the gradient's own scale
+        assert (x.float() - y.float()).norm() / y.float().norm() < 2e-2
+
+
+TINY = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=4096, rope_theta=500000.0,
+                   rope_factor=32.0, tie_embeddings=True, max_seq_len=512)
+
+
+def _sharded(ops, seed=0):
+    from minilm_az import parallel
+    m = meta_model(TINY, ops)
+    parallel.parallelize(m, mixed_precision=True)
+    return materialize(m, DEV, seed=seed)
+
+
+def test_fsdp_liger_flce_tied_loss_and_head_grad_match_unfused(liger, group):
+    x = torch.randint(0, TINY.vocab_size, (4, 257), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    res = {}
+    for ops in (liger, kernels.TORCH_OPS):
+        m = _sharded(ops)
+        assert m.lm_head.weight is m.model.embed_tokens.weight
+        loss = m(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+        res[ops.name] = (float(loss), m.model.embed_tokens.weight.grad.full_tensor().float())
+    (l1, g1), (l2, g2) = res["liger"], res["torch"]
+    assert abs(l1 - l2) < 2e-2 * abs(l2)
+    assert (g1 - g2).norm() / g2.norm() < 3e-2
+
+
+def test_training_steps_with_and_without_liger_reach_same_loss(liger, group):
+    x = torch.randint(0, TINY.vocab_size, (8, 129), device=DEV, generator=torch.Generator(DEV).manual_seed(2))
+    x = torch.cat([x, x.flip(1)])  # something learnable: a few sequences, seen repeatedly
+    curves = {}
+    for ops in (liger, kernels.TORCH_OPS):
+        m = _sharded(ops)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True)
+        losses = []
+        for _ in range(20):
+            loss = m(x[:, :-1], targets=x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        curves[ops.name] = losses
+    a, b = curves["liger"], curves["torch"]
+    assert a[-1] < a[0] - 1.0  # it learns
+    assert abs(a[-1] - b[-1]) < 0.05 * b[0]
