@@ -1,0 +1,175 @@
+"""The Llama-3 chat format: conversations to token ids and assistant-only labels, and chat JSONL files.
+
+One conversation renders as
+
+    <|begin_of_text|>
+    <|start_header_id|>system<|end_header_id|>\\n\\n{content}<|eot_id|>      (optional, first only)
+    <|start_header_id|>user<|end_header_id|>\\n\\n{content}<|eot_id|>
+    <|start_header_id|>assistant<|end_header_id|>\\n\\n{content}<|eot_id|>  ...
+
+which is exactly what `AutoTokenizer.apply_chat_template` gives with our tokenizer's template, except
+that message text is encoded with `encode_plain`: a literal "<|eot_id|>" typed by a user stays text,
+so no one can inject a turn. Labels are -100 everywhere except each assistant turn's content tokens
+and the <|eot_id|> that closes it (they are not shifted: the label at i is the id at i).
+
+A data file is JSONL, one `{"messages": [{"role": ..., "content": ...}, ...]}` a line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+from minilm_az.tokenizer import BOS, END_HEADER, EOT, START_HEADER, encode_plain
+
+ROLES = ("system", "user", "assistant")
+IGNORE = -100
+
+
+class ChatFormatError(ValueError):
+    """A conversation that cannot be trained on (bad role, empty content, no assistant turn, ...)."""
+
+
+class NothingToTrain(ChatFormatError):
+    """Truncation to max_len left no assistant token: the caller drops the conversation and counts it."""
+
+
+def validate_messages(messages) -> list[dict]:
+    """Check a conversation; returns it as a list of {"role", "content"} dicts or raises ChatFormatError."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"message {i} is a {type(m).__name__}, expected an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ChatFormatError(f"message {i}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise ChatFormatError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
+        if not content.strip():
+            raise ChatFormatError(f"message {i} ({role}): empty content")
+        if role == "system" and i != 0:
+            raise ChatFormatError(f"message {i}: a system message may only come first")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise ChatFormatError("conversation has no assistant turn (nothing to train on)")
+    return out
+
+
+def _specials(tokenizer: Tokenizer) -> dict[str, int]:
+    ids = {s: tokenizer.token_to_id(s) for s in (BOS, START_HEADER, END_HEADER, EOT)}
+    missing = [s for s, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer lacks the chat special tokens {missing}")
+    return ids
+
+
+def _render(messages: Sequence[dict], tokenizer: Tokenizer, add_generation_prompt: bool):
+    """Ids plus, per message, (header_start, content_start, end) positions; end includes <|eot_id|>."""
+    sp = _specials(tokenizer)
+    # "\n\n" + content is encoded as one string, as the template's rendered text is.
+    enc = encode_plain(tokenizer, [m["role"] for m in messages] + ["\n\n" + m["content"] for m in messages] + ["\n\n"])
+    roles, bodies, sep = enc[: len(messages)], enc[len(messages): 2 * len(messages)], enc[-1]
+    ids, spans = [sp[BOS]], []
+    for role_ids, body in zip(roles, bodies):
+        start = len(ids)
+        ids += [sp[START_HEADER], *role_ids, sp[END_HEADER]]
+        # The "\n\n" belongs to the header; content begins where the body stops agreeing with "\n\n" alone.
+        k = 0
+        while k < len(sep) and k < len(body) and body[k] == sep[k]:
+            k += 1
+        content_start = len(ids) + k
+        ids += body + [sp[EOT]]
+        spans.append((start, content_start, len(ids)))
+    if add_generation_prompt:
+        role_ids = encode_plain(tokenizer, ["assistant"])[0]
+        ids += [sp[START_HEADER], *role_ids, sp[END_HEADER], *sep]
+    return ids, spans
+
+
+def encode_chat(messages, tokenizer: Tokenizer, max_len: int = 1024,
+                last_turn_only: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a conversation; labels keep assistant content + its <|eot_id|>, else -100.
+
+    Longer than `max_len`: cut to `max_len` tokens, backing off to the start of a header if the cut
+    falls inside one; raises NothingToTrain if no trainable token is left.
+    """
+    messages = validate_messages(messages)
+    ids, spans = _render(messages, tokenizer, add_generation_prompt=False)
+    labels = [IGNORE] * len(ids)
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_turn_only:
+        trained = trained[-1:]
+    for i in trained:
+        _, c, end = spans[i]
+        labels[c:end] = ids[c:end]
+    if len(ids) > max_len:
+        cut = max_len
+        for start, c, _ in spans:
+            if start < cut < c:  # inside "<|start_header_id|>role<|end_header_id|>\n\n"
+                cut = start
+        ids, labels = ids[:cut], labels[:cut]
+        if all(x == IGNORE for x in labels[1:]):  # labels[0] is never a target after the shift
+            raise NothingToTrain(f"no assistant token left after truncation to max_len={max_len}")
+    return ids, labels
+
+
+def encode_prompt(messages, tokenizer: Tokenizer) -> list[int]:
+    """Ids of a conversation so far plus the assistant header: the model's prompt for its next turn."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("'messages' must be a non-empty list")
+    checked = validate_messages(messages + [{"role": "assistant", "content": "x"}])[:-1]
+    return _render(checked, tokenizer, add_generation_prompt=True)[0]
+
+
+def render_text(messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+    """The conversation as template text (what apply_chat_template renders before tokenising)."""
+    s = BOS + "".join(f"{START_HEADER}{m['role']}{END_HEADER}\n\n{m['content']}{EOT}" for m in messages)
+    return s + (f"{START_HEADER}assistant{END_HEADER}\n\n" if add_generation_prompt else "")
+
+
+# ---------------------------------------------------------------- JSONL files
+
+def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dict]], list[str]]:
+    """Conversations of a chat JSONL file, and the problems of the lines skipped (`on_bad_line="skip"`).
+
+    With "fail" the first bad line raises ChatFormatError naming the file and line. Blank lines are ignored.
+    """
+    if on_bad_line not in ("fail", "skip"):
+        raise ValueError(f"on_bad_line must be 'fail' or 'skip', got {on_bad_line!r}")
+    convs, skipped = [], []
+    try:
+        fh = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"chat data not found: {path}") from None
+    with fh:
+        lineno = 0
+        while True:
+            lineno += 1
+            try:
+                line = fh.readline()
+            except UnicodeDecodeError as e:
+                raise ChatFormatError(f"{path}:{lineno}: not valid UTF-8 ({e.reason})") from None
+            if not line:
+                break
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ChatFormatError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(obj, dict) or "messages" not in obj:
+                    raise ChatFormatError('expected an object with a "messages" list')
+                convs.append(validate_messages(obj["messages"]))
+            except ChatFormatError as e:
+                msg = f"{path}:{lineno}: {e}"
+                if on_bad_line == "fail":
+                    raise ChatFormatError(msg + " (use --on-bad-line skip to skip such lines)") from None
+                skipped.append(msg)
+    if not convs:
+        raise ChatFormatError(f"{path}: no usable conversations" + (f" ({len(skipped)} bad lines)" if skipped else ""))
+    return convs, skipped
