@@ -1,0 +1,74 @@
+"""Sampling from a model to try it: the chat template, a KV cache, temperature / top-p, stop at <|eot_id|>."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer
+
+from minilm_az.chat import encode_prompt
+from minilm_az.model import KVCache, Llama
+from minilm_az.tokenizer import EOS, EOT
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None = None) -> int:
+    """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_p.cumsum(0) - sorted_p >= top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_ids(model: Llama, prompt: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = 0, stop_ids: tuple[int, ...] = (),
+                 use_cache: bool = True) -> list[int]:
+    """New ids after `prompt`, up to `max_new_tokens` or a stop id (not returned).
+
+    `use_cache=False` recomputes the whole sequence every step (the reference the cache is tested against).
+    """
+    if not prompt:
+        raise ValueError("generate: empty prompt")
+    dev = model.inv_freq.device
+    limit = min(len(prompt) + max_new_tokens, model.config.max_seq_len)
+    if len(prompt) >= limit:
+        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room (max_seq_len={model.config.max_seq_len})")
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.config, 1, limit, dev, dtype) if use_cache else None
+    seq, out, pos = list(prompt), [], 0
+    while len(seq) < limit:
+        if use_cache:
+            x = torch.tensor([seq[pos:]], device=dev)
+            logits = model(x, cache=cache, pos=pos)
+            pos = len(seq)
+        else:
+            logits = model(torch.tensor([seq], device=dev))
+        nxt = sample_next(logits[0, -1], temperature, top_p, gen)
+        if nxt in stop_ids:
+            break
+        out.append(nxt)
+        seq.append(nxt)
+    return out
+
+
+def generate(model: Llama, tok: Tokenizer, messages: list[dict], max_new_tokens: int = 256,
+             temperature: float = 0.7, top_p: float = 0.9, seed: int | None = 0) -> str:
+    """The assistant's reply to a conversation (greedy when temperature is 0)."""
+    was_training = model.training
+    model.eval()
+    try:
+        stop = tuple(i for i in (tok.token_to_id(EOT), tok.token_to_id(EOS)) if i is not None)
+        ids = generate_ids(model, encode_prompt(messages, tok), max_new_tokens, temperature, top_p, seed, stop)
+    finally:
+        model.train(was_training)
+    return tok.decode(ids, skip_special_tokens=True)
