@@ -1,0 +1,562 @@
+"""Launch tokenize.py, train.py or finetune.py as a SageMaker training job, one command from a laptop.
+
+    python -m minilm_az.sagemaker train --phase 2 --instance-type ml.p5.48xlarge --instance-count 2 \\
+        --spot --data s3://b/shards/ --base-model s3://b/phase1/model/ --tokenizer s3://b/tok/ --steps 20000
+
+Launcher flags (below) pick the machines and the S3 inputs; every other `--flag value` becomes a
+hyperparameter, which the container hands back to the script as `--flag value`. Inputs arrive as
+channels (`--data` -> `SM_CHANNEL_DATA`), the final model goes to `SM_MODEL_DIR` and is uploaded
+uncompressed, so one stage's output prefix is the next stage's input. docs/sagemaker.md has the rest.
+
+The SageMaker SDK (2.x, `pip install -e ".[sagemaker]"`) is imported only inside `launch`;
+parsing, planning and the container-side helpers need nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+REQUIREMENTS_FILE = "requirements-sagemaker.txt"  # uploaded as requirements.txt, the only name the container installs
+ENTRY_WRAPPER = "sm_entry.py"  # root file: runs a script whose first argument is a subcommand
+CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath; SageMaker syncs it with S3
+FRAMEWORK_VERSION = "2.8.0"  # newest the 2.x SDK accepts for torch_distributed on GPU instances
+PY_VERSION = "py312"
+SCRIPT_KEY, COMMAND_KEY = "minilm-script", "minilm-command"  # hyperparameters read by sm_entry.py
+CONTAINER_INPUT_DIR, CONTAINER_MODEL_DIR = "/opt/ml/input/data", "/opt/ml/model"  # fixed by SageMaker
+# tokenize.py takes its paths as flags only, so the launcher passes the container's paths to it:
+# per subcommand, channel -> flag, and the flag that receives the model dir.
+TOKENIZE_PATHS = {
+    "train": ({"corpus": "corpus"}, ("out", CONTAINER_MODEL_DIR)),
+    "report": ({"corpus": "corpus", "tokenizer": "tokenizer", "base_tokenizer": "baseline"},
+               ("json", f"{CONTAINER_MODEL_DIR}/report.json")),
+    "encode": ({"corpus": "corpus", "val_corpus": "val-corpus", "tokenizer": "tokenizer"},
+               ("out", CONTAINER_MODEL_DIR)),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: CloudWatch reads these out of the `stream key=value ...` lines of minilm_az/logs.py.
+# `\b` keeps `loss=` from matching inside `val_loss=`; the number class covers 3.4172 and 1.2340e-05.
+
+_NUM = r"([0-9.eE+-]+)"
+
+
+def _metric(stream: str, key: str) -> dict[str, str]:
+    return {"Name": f"{stream}:{key}", "Regex": rf"\b{stream} step=[0-9]+ .*?\b{key}={_NUM}"}
+
+
+TRAIN_METRICS = tuple(
+    [_metric("train", k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
+                                   "mfu", "peak_mem_gib")]
+    + [_metric("eval", k) for k in ("val_loss", "val_bpb")]
+)
+FINETUNE_METRICS = tuple(
+    [_metric("finetune", k) for k in ("loss", "lr", "tokens_per_s")] + [_metric("eval", "val_loss")]
+)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What differs between the three scripts when they run on SageMaker."""
+
+    script: str
+    channels: tuple[str, ...]  # channel names; the launcher flag is the name with dashes
+    required: tuple[str, ...]  # channels without which the job would fail after paying for start-up
+    instance_type: str
+    torchrun: bool  # run under torchrun on every GPU of every instance
+    checkpoints: bool  # give the job a checkpoint S3 prefix by default
+    metrics: tuple[dict[str, str], ...] = ()
+
+
+STAGES = {
+    "tokenize": Stage("tokenize.py", ("corpus", "val_corpus", "tokenizer", "base_tokenizer"), ("corpus",),
+                      "ml.m5.4xlarge", torchrun=False, checkpoints=False),
+    "train": Stage("train.py", ("data", "base_model", "tokenizer", "base_tokenizer"), ("data",),
+                   "ml.p5.48xlarge", torchrun=True, checkpoints=True, metrics=TRAIN_METRICS),
+    "finetune": Stage("finetune.py", ("data", "val_data", "base_model", "tokenizer"), ("data",),
+                      "ml.g5.2xlarge", torchrun=False, checkpoints=False, metrics=FINETUNE_METRICS),
+}
+TOKENIZE_COMMANDS = ("train", "report", "encode")
+
+
+def is_gpu_instance(instance_type: str) -> bool:
+    """ml.p* and ml.g* carry NVIDIA GPUs; everything else we launch on is CPU."""
+    return re.match(r"ml\.[pg]\d", instance_type) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_passthrough(extra: list[str]) -> dict[str, Any]:
+    """Script flags left over by the launcher -> hyperparameters: `--steps 100` -> {"steps": 100}.
+
+    `--flag` alone is "true", `--no-flag` alone is `flag` "false"; keys use dashes (`--micro_batch`
+    becomes `micro-batch`); integers stay integers, everything else is sent as the string given.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or tok == "--":
+            raise ValueError(f"unexpected argument {tok!r}: script flags are passed as --flag value")
+        key, eq, value = tok[2:].partition("=")
+        key = key.replace("_", "-")
+        if not eq:
+            nxt = extra[i + 1] if i + 1 < len(extra) else None
+            if nxt is None or nxt.startswith("--"):
+                key, value = (key[3:], "false") if key.startswith("no-") else (key, "true")
+            else:
+                value = nxt
+                i += 1
+        if i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            raise ValueError(f"--{key} got more than one value; a hyperparameter holds exactly one")
+        if key.startswith(("sagemaker", "minilm-")):
+            raise ValueError(f"--{key}: names starting with sagemaker or minilm- are reserved")
+        if key in out:
+            raise ValueError(f"--{key} given twice")
+        out[key] = int(value) if re.fullmatch(r"-?(0|[1-9][0-9]*)", value) else value
+        i += 1
+    return out
+
+
+def _s3_uri(value: str) -> str:
+    if not value.startswith("s3://") or len(value) <= 5:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an s3:// URI (upload it first: aws s3 sync DIR s3://...)")
+    return value
+
+
+def _env_pair(value: str) -> tuple[str, str]:
+    k, eq, v = value.partition("=")
+    if not eq or not k:
+        raise argparse.ArgumentTypeError(f"--env wants KEY=VALUE, got {value!r}")
+    return k, v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argparse tree: one subcommand per stage, each with the common flags."""
+    p = argparse.ArgumentParser(
+        prog="python -m minilm_az.sagemaker", allow_abbrev=False,
+        description="Launch a minilm-az stage as a SageMaker training job. Flags not listed here are "
+                    "passed to the script as hyperparameters (--steps 1000 -> train.py --steps 1000).")
+    sub = p.add_subparsers(dest="stage", required=True, metavar="{tokenize,train,finetune}")
+    for name, stage in STAGES.items():
+        sp = sub.add_parser(name, allow_abbrev=False, help=f"run {stage.script}",
+                            description=f"Run {stage.script} on SageMaker; unknown flags go to the script.")
+        if name == "tokenize":
+            sp.add_argument("command", choices=TOKENIZE_COMMANDS, help="the tokenize.py subcommand")
+        if name == "train":
+            sp.add_argument("--phase", type=int, choices=(1, 2), required=True)
+        g = sp.add_argument_group("inputs (S3 prefixes, mounted as channels)")
+        for ch in stage.channels:
+            names = [f"--{ch.replace('_', '-')}"] + (["--model"] if name == "finetune" and ch == "base_model" else [])
+            g.add_argument(*names, dest=f"ch_{ch}", type=_s3_uri, metavar="S3_URI",
+                           required=ch in stage.required, help=f"channel {ch!r} -> SM_CHANNEL_{ch.upper()}")
+        a = sp.add_argument_group("AWS")
+        a.add_argument("--role", help="execution role ARN (default: the SageMaker SDK config file)")
+        a.add_argument("--region", help="default: the usual AWS config (AWS_REGION, ~/.aws/config)")
+        a.add_argument("--profile", help="AWS profile to use")
+        a.add_argument("--bucket", help="bucket for code, outputs and checkpoints (default: sagemaker-REGION-ACCOUNT)")
+        a.add_argument("--prefix", default="minilm-az", help="key prefix in the bucket (default: %(default)s)")
+        a.add_argument("--job-name", help="default: minilm-az-<stage>-<timestamp>")
+        m = sp.add_argument_group("machines and cost")
+        m.add_argument("--instance-type", default=stage.instance_type, help="default: %(default)s")
+        m.add_argument("--instance-count", type=int, default=1, help="default: %(default)s")
+        m.add_argument("--spot", action=argparse.BooleanOptionalAction, default=False,
+                       help="managed spot capacity (cheaper, interruptible; default: off)")
+        m.add_argument("--max-run-hours", type=float, default=24.0, help="hard stop (default: %(default)s)")
+        m.add_argument("--max-wait-hours", type=float,
+                       help="spot only: run time plus time waiting for capacity (default: 2 x max-run-hours)")
+        m.add_argument("--checkpoint-s3", type=_s3_uri, metavar="S3_URI",
+                       help=f"synced with {CHECKPOINT_LOCAL_PATH}; reuse it to resume"
+                            + (" (default: per job under the bucket)" if stage.checkpoints else ""))
+        m.add_argument("--volume-size", type=int, default=100, help="EBS GB per instance (default: %(default)s)")
+        m.add_argument("--input-mode", choices=("File", "FastFile"), default="File",
+                       help="File copies inputs before start; FastFile streams them (default: %(default)s)")
+        c = sp.add_argument_group("container")
+        c.add_argument("--framework-version", default=FRAMEWORK_VERSION, help="default: %(default)s")
+        c.add_argument("--py-version", default=PY_VERSION, help="default: %(default)s")
+        c.add_argument("--image-uri", help="custom training image (overrides the two above)")
+        c.add_argument("--torchrun", action=argparse.BooleanOptionalAction, default=stage.torchrun,
+                       help="one process per GPU on every instance (default: %(default)s)")
+        c.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                       help="environment variable for the job (repeatable)")
+        r = sp.add_argument_group("this command")
+        r.add_argument("--wait", action=argparse.BooleanOptionalAction, default=False,
+                       help="stay attached and stream the job's logs (default: return once created)")
+        r.add_argument("--dry-run", action="store_true", help="print the request, send nothing")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse launcher flags; the rest becomes `args.hyperparameters`. Exits with a message on bad input."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        args.hyperparameters = parse_passthrough(extra)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.instance_count < 1:
+        parser.error("--instance-count must be at least 1")
+    if args.max_wait_hours is not None and not args.spot:
+        parser.error("--max-wait-hours only applies with --spot")
+    if args.spot and args.max_wait_hours is not None and args.max_wait_hours < args.max_run_hours:
+        parser.error("--max-wait-hours must be at least --max-run-hours")
+    if args.instance_count > 1 and not args.torchrun:
+        parser.error(f"--instance-count {args.instance_count} without --torchrun would run the whole "
+                     f"job independently on every instance")
+    if args.stage == "tokenize":
+        takes = TOKENIZE_PATHS[args.command][0]
+        for ch in STAGES["tokenize"].channels:
+            if getattr(args, f"ch_{ch}") and ch not in takes:
+                parser.error(f"tokenize {args.command} takes no --{ch.replace('_', '-')}")
+        if "tokenizer" in takes and args.command != "train" and not args.ch_tokenizer:
+            parser.error(f"tokenize {args.command} needs --tokenizer S3_URI")
+    if args.torchrun and not args.image_uri and not is_gpu_instance(args.instance_type):
+        parser.error(f"--torchrun needs a GPU instance (ml.p*/ml.g*), not {args.instance_type}; "
+                     "pass --no-torchrun for a single CPU process")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: everything the job request says, resolved, as plain data (no SDK needed).
+
+
+@dataclass
+class JobPlan:
+    """One training job, fully resolved; `build_estimator` maps it onto the SDK."""
+
+    stage: str
+    job_name: str
+    entry_point: str
+    hyperparameters: dict[str, Any]
+    channels: dict[str, str]
+    role: str
+    instance_type: str
+    instance_count: int
+    torchrun: bool
+    spot: bool
+    max_run_s: int
+    max_wait_s: int | None
+    checkpoint_uri: str | None
+    output_path: str
+    code_location: str
+    volume_size: int
+    input_mode: str
+    framework_version: str
+    py_version: str
+    image_uri: str | None
+    environment: dict[str, str] = field(default_factory=dict)
+    metric_definitions: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def model_uri(self) -> str:
+        """Where SM_MODEL_DIR lands: uncompressed, so it can be the next stage's channel as is."""
+        return f"{self.output_path}/{self.job_name}/output/model/"
+
+
+def _timestamped(base: str) -> str:
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.gmtime(now)) + f"-{int(now * 1000) % 1000:03d}"
+    return f"{base[: 63 - len(stamp) - 1]}-{stamp}"
+
+
+def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
+    """Turn parsed flags into a JobPlan (job name, S3 layout, hyperparameters, channels)."""
+    stage = STAGES[args.stage]
+    hps: dict[str, Any] = {}
+    if args.stage == "tokenize":
+        hps[SCRIPT_KEY], hps[COMMAND_KEY] = stage.script, args.command
+        flags, (out_flag, out_path) = TOKENIZE_PATHS[args.command]
+        hps.update({flag: f"{CONTAINER_INPUT_DIR}/{ch}" for ch, flag in flags.items() if getattr(args, f"ch_{ch}")})
+        hps[out_flag] = out_path
+        base = f"minilm-az-tokenize-{args.command}"
+    elif args.stage == "train":
+        hps["phase"] = args.phase
+        base = f"minilm-az-train-p{args.phase}"
+    else:
+        base = "minilm-az-finetune"
+    hps.update(args.hyperparameters)
+    job_name = args.job_name or _timestamped(base)
+    root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")
+    checkpoint_uri = args.checkpoint_s3 or (f"{root}/checkpoints/{job_name}/" if stage.checkpoints else None)
+    max_run_s = int(args.max_run_hours * 3600)
+    max_wait_s = None
+    if args.spot:
+        max_wait_s = int((args.max_wait_hours or 2 * args.max_run_hours) * 3600)
+    channels = {ch: getattr(args, f"ch_{ch}") for ch in stage.channels if getattr(args, f"ch_{ch}")}
+    return JobPlan(
+        stage=args.stage, job_name=job_name,
+        entry_point=ENTRY_WRAPPER if args.stage == "tokenize" else stage.script,
+        hyperparameters=hps, channels=channels, role=role,
+        instance_type=args.instance_type, instance_count=args.instance_count, torchrun=args.torchrun,
+        spot=args.spot, max_run_s=max_run_s, max_wait_s=max_wait_s, checkpoint_uri=checkpoint_uri,
+        output_path=f"{root}/output", code_location=f"{root}/code",
+        volume_size=args.volume_size, input_mode=args.input_mode,
+        framework_version=args.framework_version, py_version=args.py_version, image_uri=args.image_uri,
+        environment={"PYTHONUNBUFFERED": "1", **dict(args.env)},
+        metric_definitions=[dict(m) for m in stage.metrics],
+    )
+
+
+def stage_source_dir(dest: str | Path, *, gpu: bool, root: str | Path = PROJECT_ROOT) -> Path:
+    """Copy what the container needs (root scripts, minilm_az/, packaging files) into `dest`.
+
+    Runs, data and tests stay behind; requirements-sagemaker.txt becomes requirements.txt, without
+    its `# gpu` lines on CPU instances.
+    """
+    root, dest = Path(root), Path(dest)
+    if not (root / "minilm_az").is_dir():
+        raise FileNotFoundError(f"{root} has no minilm_az/: launch from a checkout of the project")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(root.iterdir()):
+        if f.is_file() and (f.suffix == ".py" or f.name in ("setup.cfg", "pyproject.toml", "README.md")
+                            or f.name.startswith("LICENSE")):
+            shutil.copy2(f, dest / f.name)
+    shutil.copytree(root / "minilm_az", dest / "minilm_az",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    req = root / REQUIREMENTS_FILE
+    if not req.is_file():
+        raise FileNotFoundError(f"{req} is missing; the container would not install the project")
+    lines = [ln for ln in req.read_text().splitlines() if gpu or "# gpu" not in ln]
+    (dest / "requirements.txt").write_text("\n".join(lines) + "\n")
+    return dest
+
+
+def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Path):
+    """The SDK 2.x PyTorch estimator for `plan` (the one place that knows the SDK's constructor)."""
+    from sagemaker.pytorch import PyTorch
+
+    kwargs: dict[str, Any] = {}
+    if plan.image_uri:
+        kwargs["image_uri"] = plan.image_uri
+    else:
+        kwargs.update(framework_version=plan.framework_version, py_version=plan.py_version)
+    if plan.torchrun:
+        kwargs["distribution"] = {"torch_distributed": {"enabled": True}}
+    if plan.spot:
+        kwargs.update(use_spot_instances=True, max_wait=plan.max_wait_s)
+    if plan.checkpoint_uri:
+        kwargs.update(checkpoint_s3_uri=plan.checkpoint_uri, checkpoint_local_path=CHECKPOINT_LOCAL_PATH)
+    return PyTorch(
+        entry_point=plan.entry_point, source_dir=str(source_dir), role=plan.role,
+        instance_type=plan.instance_type, instance_count=plan.instance_count,
+        hyperparameters=dict(plan.hyperparameters), environment=dict(plan.environment),
+        metric_definitions=[dict(m) for m in plan.metric_definitions] or None,
+        output_path=plan.output_path, code_location=plan.code_location,
+        volume_size=plan.volume_size, input_mode=plan.input_mode, max_run=plan.max_run_s,
+        disable_output_compression=True,  # model dir lands as files, ready to be the next channel
+        disable_profiler=True, debugger_hook_config=False,  # no Debugger hooks in a torchrun job
+        base_job_name=plan.job_name, sagemaker_session=sagemaker_session, **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+
+
+@dataclass
+class Launched:
+    """What was (or, with --dry-run, would have been) sent."""
+
+    plan: JobPlan
+    request: dict[str, Any]  # CreateTrainingJob parameters exactly as handed to botocore
+    sent: bool
+
+    @property
+    def job_name(self) -> str:
+        return self.plan.job_name
+
+
+class _FakeHTTP:
+    status_code = 200
+    headers: dict[str, str] = {}
+    raw = None
+    content = b""
+
+
+def _offline_response(model: Any, **_: Any):
+    """before-call handler for --dry-run: answer every AWS call locally, so nothing leaves the machine."""
+    return _FakeHTTP(), {"TrainingJobArn": "arn:aws:sagemaker:dry-run"} if model.name == "CreateTrainingJob" else {}
+
+
+def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path | None = None) -> Launched:
+    """Upload the code under `root` (this checkout) and create the job; with `args.dry_run`, only build it."""
+    root = Path(root or PROJECT_ROOT)
+    for name in {STAGES[args.stage].script, ENTRY_WRAPPER}:
+        if not (root / name).is_file():
+            raise SystemExit(f"error: {root / name} does not exist; launch from a checkout of the project")
+    os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
+    import boto3
+    import sagemaker
+    from sagemaker.config import TRAINING_JOB_ROLE_ARN_PATH
+    from sagemaker.utils import resolve_value_from_config
+
+    boto_session = boto_session or boto3.Session(profile_name=args.profile, region_name=args.region)
+    region = boto_session.region_name
+    if not region:
+        raise SystemExit("error: no AWS region: pass --region or set AWS_REGION")
+    captured: dict[str, Any] = {}
+
+    def capture(params: dict[str, Any], **_: Any) -> None:
+        captured.clear()
+        captured.update(copy.deepcopy(params))
+
+    hooks = [("before-parameter-build.sagemaker.CreateTrainingJob", capture)]
+    if args.dry_run:
+        hooks.append(("before-call", _offline_response))
+    for event, fn in hooks:  # before the SDK session exists: clients copy the handlers they are born with
+        boto_session.events.register(event, fn)
+    try:
+        _silence_sdk_telemetry()
+        session = sagemaker.Session(boto_session=boto_session, default_bucket=args.bucket)
+        if args.bucket:
+            bucket = args.bucket
+        elif args.dry_run:
+            bucket = f"sagemaker-{region}-ACCOUNT"
+        else:
+            bucket = session.default_bucket()
+        role = args.role or resolve_value_from_config(None, TRAINING_JOB_ROLE_ARN_PATH, sagemaker_session=session)
+        if not role:
+            if not args.dry_run:
+                raise SystemExit("error: no execution role: pass --role arn:aws:iam::ACCOUNT:role/NAME "
+                                 "(docs/sagemaker.md lists what it needs)")
+            role = "arn:aws:iam::ACCOUNT:role/ROLE"
+        plan = plan_job(args, bucket=bucket, role=role)
+        with tempfile.TemporaryDirectory(prefix="minilm-az-src-") as tmp:
+            src = stage_source_dir(tmp, gpu=is_gpu_instance(plan.instance_type), root=root)
+            estimator = build_estimator(plan, session, src)
+            estimator.fit(inputs={k: _channel_input(v, plan.input_mode) for k, v in plan.channels.items()},
+                          job_name=plan.job_name, wait=False)
+        if args.wait and not args.dry_run:
+            estimator.latest_training_job.wait(logs="All")
+    finally:
+        for event, fn in hooks:
+            boto_session.events.unregister(event, fn)
+    return Launched(plan=plan, request=captured, sent=not args.dry_run)
+
+
+def _silence_sdk_telemetry() -> None:
+    """The SDK reports each call over plain HTTPS, outside botocore: a dry run must send nothing.
+
+    Its own switch (TelemetryOptOut in the SDK config) makes every config lookup re-validate a large
+    JSON schema, ~10 s per launch, so the sender is replaced instead.
+    """
+    from sagemaker.telemetry import telemetry_logging
+
+    if hasattr(telemetry_logging, "_send_telemetry_request"):
+        telemetry_logging._send_telemetry_request = lambda *a, **k: None
+
+
+def _channel_input(uri: str, input_mode: str):
+    from sagemaker.inputs import TrainingInput
+
+    return TrainingInput(uri, input_mode=input_mode)
+
+
+def container_args(hyperparameters: dict[str, str]) -> list[str]:
+    """The argv the SageMaker container builds from the request's HyperParameters.
+
+    As sagemaker-training does it: sagemaker_* keys dropped, keys sorted, each value JSON-decoded
+    (falling back to the raw string) and printed with str(), so `"2"` -> `2` and `"\\"3e-4\\""` -> `3e-4`.
+    """
+    out = []
+    for k in sorted(hyperparameters):
+        if k.startswith("sagemaker_"):
+            continue
+        raw = hyperparameters[k]
+        try:
+            v = json.loads(raw)
+        except (TypeError, ValueError):
+            v = raw
+        out += [f"--{k}" if len(k) > 1 else f"-{k}", str(v)]
+    return out
+
+
+def container_command(plan: JobPlan, hyperparameters: dict[str, str]) -> str:
+    """What runs on each instance, in shell words (for the dry-run printout)."""
+    launcher = "torchrun --nnodes N --nproc_per_node GPUS --node_rank R ... " if plan.torchrun else "python "
+    return launcher + " ".join([plan.entry_point] + container_args(hyperparameters))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minilm_az.sagemaker STAGE ...`: launch the job and print where things go."""
+    args = parse_args(argv)
+    for k in (k for k in args.hyperparameters if len(k) == 1):
+        print(f"note: the container passes --{k} as -{k}; the script must accept -{k}", file=sys.stderr)
+    launched = launch(args)
+    plan, req = launched.plan, launched.request
+    if args.dry_run:
+        print(json.dumps(req, indent=2, default=str))
+    region = (req.get("HyperParameters") or {}).get("sagemaker_region", '""').strip('"')
+    print(f"{'dry run, nothing sent' if args.dry_run else 'created'}: training job {plan.job_name}", file=sys.stderr)
+    print(f"  runs:        {container_command(plan, req.get('HyperParameters', {}))}", file=sys.stderr)
+    print(f"  model to:    {plan.model_uri}", file=sys.stderr)
+    if plan.checkpoint_uri:
+        print(f"  checkpoints: {plan.checkpoint_uri}  (pass --checkpoint-s3 with this to resume)", file=sys.stderr)
+    if not args.dry_run:
+        print(f"  console:     https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
+              f"#/jobs/{plan.job_name}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the container: sm_entry.py hands its argv here.
+
+
+def entry_argv(argv: list[str]) -> tuple[str, list[str]]:
+    """Split sm_entry.py's sorted `--key value` argv into (script, [subcommand, *flags])."""
+    rest, script, command = [], None, None
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        key, eq, val = tok.partition("=")
+        if key in (f"--{SCRIPT_KEY}", f"--{COMMAND_KEY}"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"sm_entry.py: {key} needs a value")
+                val = argv[i + 1]
+                i += 1
+            if key == f"--{SCRIPT_KEY}":
+                script = val
+            else:
+                command = val
+        else:
+            rest.append(tok)
+        i += 1
+    if not script:
+        raise SystemExit(f"sm_entry.py: no --{SCRIPT_KEY} hyperparameter; nothing to run")
+    return script, ([command] if command else []) + rest
+
+
+def run_entry(argv: list[str], root: str | Path) -> None:
+    """Run `root/<script>` as __main__ with the subcommand moved to the front of its argv."""
+    import runpy
+
+    script, script_argv = entry_argv(argv)
+    path = Path(root) / script
+    if not path.is_file():
+        raise SystemExit(f"sm_entry.py: {path} does not exist")
+    sys.argv = [str(path)] + script_argv
+    runpy.run_path(str(path), run_name="__main__")
+
+
+__all__ = [
+    "FINETUNE_METRICS", "STAGES", "TRAIN_METRICS", "JobPlan", "Launched", "Stage", "build_estimator",
+    "build_parser", "container_args", "container_command", "entry_argv", "is_gpu_instance", "launch",
+    "main", "parse_args", "parse_passthrough", "plan_job", "run_entry", "stage_source_dir",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())

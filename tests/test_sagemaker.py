@@ -1,0 +1,387 @@
+"""The SageMaker launcher, against moto's in-process mock of S3 and SageMaker (nothing leaves the machine).
+
+Also the container side of the contract: the argv the container builds from our hyperparameters,
+sm_entry.py's subcommand reordering, and (once train.py exists) a container-like run of train.py
+with SM_* variables, whose log lines must match the metric regexes we send.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from minilm_az import sagemaker as sm
+from minilm_az.logs import format_line
+
+ROOT = sm.PROJECT_ROOT
+ROLE = "arn:aws:iam::123456789012:role/minilm-az-sagemaker"
+BUCKET = "minilm-az-test"
+TRAIN_SCRIPT, TOKENIZE_SCRIPT = sm.STAGES["train"].script, sm.STAGES["tokenize"].script
+
+
+def regex(name: str, metrics=sm.TRAIN_METRICS) -> re.Pattern:
+    return re.compile(next(m["Regex"] for m in metrics if m["Name"] == name))
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric regexes against lines written by minilm_az.logs
+
+
+TRAIN_LINE = format_line("train", step=120, loss=3.4172, lr=2.4e-05, grad_norm=0.812, tokens_per_s=71234,
+                         tokens_per_s_per_gpu=8904.2, mfu=55.31, peak_mem_gib=27.4, eta="1:02:03")
+EVAL_LINE = format_line("eval", step=120, val_loss=2.31, val_bpb=0.5795)
+FINETUNE_LINE = format_line("finetune", step=10, loss=1.23, lr=0.0002, tokens_per_s=1234)
+
+
+def test_train_metric_regexes_pick_each_value_out_of_a_log_line():
+    assert "lr=2.4000e-05" in TRAIN_LINE  # the exponent form is what the regexes must survive
+    want = {"train:loss": 3.4172, "train:lr": 2.4e-05, "train:grad_norm": 0.812, "train:tokens_per_s": 71234,
+            "train:tokens_per_s_per_gpu": 8904.2, "train:mfu": 55.31, "train:peak_mem_gib": 27.4}
+    for name, value in want.items():
+        m = regex(name).search(TRAIN_LINE)
+        assert m and float(m.group(1)) == pytest.approx(value), name
+    for name, value in {"eval:val_loss": 2.31, "eval:val_bpb": 0.5795}.items():
+        assert float(regex(name).search(EVAL_LINE).group(1)) == pytest.approx(value)
+
+
+def test_loss_regex_does_not_read_val_loss_or_other_streams():
+    for name in ("train:loss", "train:tokens_per_s", "train:lr"):
+        assert regex(name).search(EVAL_LINE) is None
+        assert regex(name).search(FINETUNE_LINE) is None
+    assert regex("eval:val_loss").search(TRAIN_LINE) is None
+    # a torchrun/CloudWatch prefix in front of the line does not hide it
+    assert float(regex("train:loss").search("[default0]:" + TRAIN_LINE).group(1)) == pytest.approx(3.4172)
+
+
+def test_finetune_metric_regexes_match_finetune_and_eval_lines():
+    f = sm.FINETUNE_METRICS
+    assert float(regex("finetune:loss", f).search(FINETUNE_LINE).group(1)) == pytest.approx(1.23)
+    assert float(regex("finetune:tokens_per_s", f).search(FINETUNE_LINE).group(1)) == 1234
+    assert float(regex("eval:val_loss", f).search(format_line("eval", step=10, val_loss=1.1)).group(1)) == 1.1
+    assert regex("finetune:loss", f).search(TRAIN_LINE) is None
+    # SageMaker wants exactly one capture group per regex
+    assert all(re.compile(m["Regex"]).groups == 1 for m in sm.TRAIN_METRICS + sm.FINETUNE_METRICS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags -> hyperparameters -> the argv the container hands the script
+
+
+def test_script_flags_become_hyperparameters_with_dashed_keys():
+    hps = sm.parse_passthrough(["--steps", "100", "--lr=3e-4", "--compile", "--no-liger", "--micro_batch", "4",
+                                "--ac", "selective", "--seed", "-1"])
+    assert hps == {"steps": 100, "lr": "3e-4", "compile": "true", "liger": "false", "micro-batch": 4,
+                   "ac": "selective", "seed": -1}
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["stray"], "unexpected argument"),
+    (["--corpus", "a", "b"], "more than one value"),
+    (["--sagemaker_program", "x.py"], "reserved"),
+    (["--minilm-script", "x.py"], "reserved"),
+    (["--steps", "1", "--steps", "2"], "twice"),
+])
+def test_script_flags_that_a_hyperparameter_cannot_carry_are_refused(argv, msg):
+    with pytest.raises(ValueError, match=msg):
+        sm.parse_passthrough(argv)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["train", "--phase", "2", "--data", "/local/shards"], "not an s3:// URI"),
+    (["train", "--phase", "2"], "--data"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--max-wait-hours", "48"], "only applies with --spot"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--spot", "--max-run-hours", "10", "--max-wait-hours", "5"],
+     "at least --max-run-hours"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--instance-type", "ml.m5.xlarge"], "needs a GPU instance"),
+    (["finetune", "--data", "s3://b/sft/", "--instance-count", "2"], "without --torchrun"),
+    (["tokenize", "--corpus", "s3://b/c/"], "invalid choice|required"),
+])
+def test_bad_launch_flags_stop_before_anything_is_sent(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        sm.parse_args(argv)
+    assert re.search(msg, capsys.readouterr().err)
+
+
+def _as_sent(hps: dict) -> dict:
+    """HyperParameters as the SDK puts them in the request: every value JSON-encoded."""
+    return {k: json.dumps(v) for k, v in hps.items()}
+
+
+def test_container_argv_is_sorted_flags_with_plain_values():
+    args = sm.parse_args(["train", "--phase", "2", "--data", "s3://b/d/", "--steps", "100", "--lr", "3e-4",
+                          "--compile", "--micro-batch", "4"])
+    plan = sm.plan_job(args, bucket=BUCKET, role=ROLE)
+    sent = _as_sent(plan.hyperparameters) | {"sagemaker_program": '"train.py"'}
+    assert sm.container_args(sent) == ["--compile", "true", "--lr", "3e-4", "--micro-batch", "4",
+                                       "--phase", "2", "--steps", "100"]
+
+
+def test_sm_entry_moves_the_subcommand_in_front():
+    argv = sm.container_args(_as_sent({sm.COMMAND_KEY: "encode", sm.SCRIPT_KEY: "tokenize.py",
+                                       "vocab-size": 32000, "corpus": "/opt/ml/input/data/corpus"}))
+    assert sm.entry_argv(argv) == ("tokenize.py", ["encode", "--corpus", "/opt/ml/input/data/corpus",
+                                                   "--vocab-size", "32000"])
+
+
+def test_sm_entry_runs_the_script_as_main(tmp_path):
+    root = tmp_path / "code"
+    shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / sm.ENTRY_WRAPPER, root / sm.ENTRY_WRAPPER)
+    (root / "stage.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]) if __name__ == '__main__' else 0)")
+    out = subprocess.run([sys.executable, sm.ENTRY_WRAPPER, "--corpus", "/c", "--minilm-command", "train",
+                          "--minilm-script", "stage.py", "--vocab-size", "512"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["train", "--corpus", "/c", "--vocab-size", "512"]
+
+
+def test_sm_entry_runs_the_real_tokenize_py_subcommand():
+    # tokenize.py shares its name with the stdlib module that sm_entry.py's imports pull in first
+    _script(TOKENIZE_SCRIPT)
+    out = subprocess.run([sys.executable, sm.ENTRY_WRAPPER, "--minilm-command", "train", "--help",
+                          "--minilm-script", TOKENIZE_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--vocab-size" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the mocked AWS API
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    """A boto3 session inside moto's mock: fake credentials, a region, no config files, no metadata calls."""
+    pytest.importorskip("sagemaker")
+    moto = pytest.importorskip("moto")
+    import boto3
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent",
+                 "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "SAGEMAKER_SUPPRESS_V2_WARNING": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with moto.mock_aws():
+        session = boto3.Session(region_name="us-east-1")
+        session.client("s3").create_bucket(Bucket=BUCKET)
+        yield session
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A copy of the checkout, with stand-ins for root scripts not written yet, plus junk to leave behind."""
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in [*ROOT.glob("*.py"), *(ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md",
+                                                       sm.REQUIREMENTS_FILE))]:
+        if f.is_file():
+            shutil.copy2(f, root / f.name)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_x.py").write_text("")
+    for stage in sm.STAGES.values():
+        if not (root / stage.script).exists():
+            (root / stage.script).write_text("raise SystemExit('stand-in')\n")
+    (root / "runs" / "old").mkdir(parents=True)
+    (root / "runs" / "old" / "model.safetensors").write_bytes(b"\0" * 1024)
+    return root
+
+
+def launch(aws, project, argv):
+    return sm.launch(sm.parse_args(argv + ["--role", ROLE, "--bucket", BUCKET]), boto_session=aws, root=project)
+
+
+def uploaded_source(aws, request) -> tarfile.TarFile:
+    uri = json.loads(request["HyperParameters"]["sagemaker_submit_directory"])
+    bucket, key = uri[len("s3://"):].split("/", 1)
+    body = aws.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    return tarfile.open(fileobj=io.BytesIO(body))
+
+
+def test_train_launch_creates_a_torchrun_job_with_our_settings(aws, project):
+    launched = launch(aws, project, [
+        "train", "--phase", "2", "--instance-type", "ml.p5.48xlarge", "--instance-count", "2", "--spot",
+        "--max-run-hours", "48", "--data", "s3://corp/shards/", "--base-model", "s3://corp/p1/model/",
+        "--tokenizer", "s3://corp/tok/", "--steps", "20000", "--micro-batch", "4", "--compile",
+        "--env", "NCCL_DEBUG=WARN"])
+    job = aws.client("sagemaker").describe_training_job(TrainingJobName=launched.job_name)
+    assert job["AlgorithmSpecification"]["TrainingImage"].endswith("/pytorch-training:2.8.0-gpu-py312")
+    assert job["ResourceConfig"] == {"InstanceType": "ml.p5.48xlarge", "InstanceCount": 2, "VolumeSizeInGB": 100}
+    hps = job["HyperParameters"]
+    assert hps["sagemaker_torch_distributed_enabled"] == "true"
+    assert json.loads(hps["sagemaker_program"]) == TRAIN_SCRIPT
+    assert {k: hps[k] for k in ("phase", "steps", "micro-batch", "compile")} == \
+        {"phase": "2", "steps": "20000", "micro-batch": "4", "compile": '"true"'}
+    channels = {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in job["InputDataConfig"]}
+    assert channels == {"data": "s3://corp/shards/", "base_model": "s3://corp/p1/model/", "tokenizer": "s3://corp/tok/"}
+    ckpt = f"s3://{BUCKET}/minilm-az/checkpoints/{launched.job_name}/"
+    assert job["CheckpointConfig"] == {"S3Uri": ckpt, "LocalPath": "/opt/ml/checkpoints"}
+    assert job["EnableManagedSpotTraining"] is True
+    assert job["StoppingCondition"] == {"MaxRuntimeInSeconds": 48 * 3600, "MaxWaitTimeInSeconds": 96 * 3600}
+    assert job["OutputDataConfig"]["CompressionType"] == "NONE"
+    assert job["RoleArn"] == ROLE
+    # moto answers MetricDefinitions with a placeholder, and drops Environment: read the request itself
+    req = launched.request
+    assert req["AlgorithmSpecification"]["MetricDefinitions"] == list(sm.TRAIN_METRICS)
+    assert req["Environment"]["NCCL_DEBUG"] == "WARN"
+    assert req["ProfilerConfig"] == {"DisableProfiler": True}
+    assert launched.plan.model_uri == f"s3://{BUCKET}/minilm-az/output/{launched.job_name}/output/model/"
+
+
+def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, project):
+    launched = launch(aws, project, ["train", "--phase", "1", "--data", "s3://corp/shards/"])
+    names = set(uploaded_source(aws, launched.request).getnames())
+    assert {TRAIN_SCRIPT, sm.ENTRY_WRAPPER, "requirements.txt", "setup.cfg", "minilm_az/logs.py",
+            "minilm_az/sagemaker.py"} <= names
+    assert not any(n.startswith(("runs", "tests", ".git")) or "__pycache__" in n for n in names)
+    reqs = uploaded_source(aws, launched.request).extractfile("requirements.txt").read().decode()
+    lines = [ln.split("#")[0].strip() for ln in reqs.splitlines()]
+    assert "." in lines and any(ln.startswith("liger-kernel") for ln in lines)
+    assert not any(ln.startswith("torch") for ln in lines)  # the image's torch stays
+
+
+def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, project):
+    launched = launch(aws, project, ["tokenize", "encode", "--corpus", "s3://corp/text/",
+                                     "--tokenizer", "s3://corp/tok/", "--vocab-size", "32000"])
+    req = launched.request
+    hps = req["HyperParameters"]
+    assert json.loads(hps["sagemaker_program"]) == sm.ENTRY_WRAPPER
+    assert "sagemaker_torch_distributed_enabled" not in hps
+    assert req["AlgorithmSpecification"]["TrainingImage"].endswith("/pytorch-training:2.8.0-cpu-py312")
+    assert req["ResourceConfig"]["InstanceType"] == "ml.m5.4xlarge"
+    assert sm.entry_argv(sm.container_args(hps)) == (TOKENIZE_SCRIPT, [
+        "encode", "--corpus", "/opt/ml/input/data/corpus", "--out", "/opt/ml/model",
+        "--tokenizer", "/opt/ml/input/data/tokenizer", "--vocab-size", "32000"])
+    assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"corpus", "tokenizer"}
+    assert "CheckpointConfig" not in req and "MetricDefinitions" not in req["AlgorithmSpecification"]
+    reqs = uploaded_source(aws, req).extractfile("requirements.txt").read().decode()
+    assert "liger" not in reqs  # no Triton download on a CPU instance
+
+
+def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, project):
+    launched = launch(aws, project, ["finetune", "--model", "s3://corp/p2/model/", "--data", "s3://corp/sft/",
+                                     "--val-data", "s3://corp/sft-val/", "--r", "16", "--merge"])
+    req = launched.request
+    assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"base_model", "data", "val_data"}
+    assert req["ResourceConfig"]["InstanceType"] == "ml.g5.2xlarge"
+    assert "sagemaker_torch_distributed_enabled" not in req["HyperParameters"]
+    # the container writes a one-letter key with one dash: finetune.py must accept -r as well as --r
+    assert sm.container_args(req["HyperParameters"]) == ["--merge", "true", "-r", "16"]
+    assert req["AlgorithmSpecification"]["MetricDefinitions"] == list(sm.FINETUNE_METRICS)
+
+
+def test_relaunch_with_the_same_checkpoint_prefix_resumes_there(aws, project):
+    first = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--spot"])
+    again = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--spot",
+                                  "--checkpoint-s3", first.plan.checkpoint_uri])
+    assert again.job_name != first.job_name
+    assert again.request["CheckpointConfig"]["S3Uri"] == first.plan.checkpoint_uri
+
+
+def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch, capsys):
+    monkeypatch.setattr(sm, "PROJECT_ROOT", project)
+    assert sm.main(["train", "--phase", "2", "--data", "s3://corp/shards/", "--steps", "10", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    printed = json.loads(out.out)
+    assert printed["HyperParameters"]["phase"] == "2"
+    assert "dry run, nothing sent" in out.err and "train.py --phase 2 --steps 10" in out.err
+    assert aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
+    assert [b["Name"] for b in aws.client("s3").list_buckets()["Buckets"]] == [BUCKET]
+    assert aws.client("s3").list_objects_v2(Bucket=BUCKET).get("KeyCount", 0) == 0
+
+
+def test_launch_without_a_role_says_how_to_pass_one(aws, project):
+    with pytest.raises(SystemExit, match="--role"):
+        sm.launch(sm.parse_args(["train", "--phase", "1", "--data", "s3://corp/shards/", "--bucket", BUCKET]),
+                  boto_session=aws, root=project)
+
+
+# ---------------------------------------------------------------------------------------------
+# Container-like run of the real train.py (skipped until the root scripts exist)
+
+CORPUS = "\n".join(
+    f"Azərbaycan dili türk dillərinin oğuz qrupuna daxildir. Bakı şəhəri Xəzər dənizinin sahilindədir {i}."
+    for i in range(400))
+
+
+def _script(name: str) -> Path:
+    path = ROOT / name
+    if not path.exists():
+        pytest.skip(f"{name} does not exist yet")
+    return path
+
+
+def _run(argv, env=None, cwd=None, timeout=300):
+    out = subprocess.run([sys.executable, *map(str, argv)], env=env, cwd=cwd, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"{argv}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def container_run(tmp_path_factory):
+    """Tokenizer + shards made locally, then train.py run as the container would run it."""
+    train, tokenize = _script(TRAIN_SCRIPT), _script(TOKENIZE_SCRIPT)
+    tmp = tmp_path_factory.mktemp("sm")
+    (tmp / "corpus").mkdir()
+    (tmp / "corpus" / "az.txt").write_text(CORPUS, encoding="utf-8")
+    _run([tokenize, "train", "--corpus", tmp / "corpus" / "az.txt", "--vocab-size", "512", "--out", tmp / "tok"])
+    _run([tokenize, "encode", "--corpus", tmp / "corpus" / "az.txt", "--tokenizer", tmp / "tok",
+          "--val-fraction", "0.1", "--out", tmp / "shards"])
+    dirs = {"model": tmp / "model", "output": tmp / "output", "checkpoints": tmp / "checkpoints"}
+    for d in dirs.values():
+        d.mkdir()
+    env = {**os.environ, "SM_MODEL_DIR": str(dirs["model"]), "SM_OUTPUT_DATA_DIR": str(dirs["output"]),
+           "SM_CHANNEL_DATA": str(tmp / "shards"), "SM_CHANNEL_TOKENIZER": str(tmp / "tok"),
+           "SM_CHANNELS": '["data","tokenizer"]', "SM_NUM_GPUS": "0", "SM_HOSTS": '["algo-1"]',
+           "SM_CURRENT_HOST": "algo-1", "SM_TRAINING_ENV": json.dumps({"hosts": ["algo-1"], "num_gpus": 0})}
+    # the argv the container builds from what the launcher would send
+    args = sm.parse_args(["train", "--phase", "1", "--data", "s3://b/shards/", "--tokenizer", "s3://b/tok/",
+                          "--preset", "tiny", "--steps", "4", "--log-every", "1", "--eval-every", "2",
+                          "--checkpoint-every", "2", "--seq-len", "64", "--micro-batch", "2", "--device", "cpu",
+                          "--no-compile", "--no-liger"])
+    argv = sm.container_args(_as_sent(sm.plan_job(args, bucket=BUCKET, role=ROLE).hyperparameters))
+    log = _run([train, *argv, "--checkpoint-dir", dirs["checkpoints"]], env=env, cwd=tmp)
+    return log, dirs
+
+
+@pytest.mark.slow
+def test_metric_regexes_match_real_train_output(container_run):
+    log, _ = container_run
+    for name in ("train:loss", "train:lr", "train:tokens_per_s", "eval:val_loss", "eval:val_bpb"):
+        values = [float(m.group(1)) for m in map(regex(name).search, log.splitlines()) if m]
+        assert values, f"{name} matched no line of train.py's output"
+    losses = [float(m.group(1)) for m in map(regex("train:loss").search, log.splitlines()) if m]
+    assert len(losses) == 4
+
+
+@pytest.mark.slow
+def test_train_in_a_container_like_env_checkpoints_and_exports_to_sm_dirs(container_run):
+    _, dirs = container_run
+    assert any(p.is_file() for p in dirs["checkpoints"].rglob("*")), "no checkpoint under --checkpoint-dir"
+    exported = {p.name for p in dirs["model"].iterdir()}
+    assert "config.json" in exported and any(n.endswith(".safetensors") for n in exported)
+
+
+def test_train_checkpoint_dir_defaults_to_opt_ml_checkpoints_inside_sagemaker(monkeypatch):
+    _script(TRAIN_SCRIPT)
+    monkeypatch.syspath_prepend(str(ROOT))
+    import importlib
+
+    train = importlib.import_module(Path(TRAIN_SCRIPT).stem)
+    parse = getattr(train, "parse_args", None)
+    if parse is None:
+        pytest.skip("train.py has no parse_args(argv) to ask for its defaults")
+    monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
+    monkeypatch.setenv("SM_CHANNEL_DATA", "/opt/ml/input/data/data")
+    args = parse(["--phase", "1", "--preset", "tiny"])
+    assert str(args.checkpoint_dir) == sm.CHECKPOINT_LOCAL_PATH
+    assert str(args.out) == "/opt/ml/model" and str(args.data) == "/opt/ml/input/data/data"
