@@ -213,7 +213,7 @@ def cmd_encode(args) -> None:
             val_documents=read(val_files, args, bar) if val_files else None,
             val_fraction=args.val_fraction,
             shard_tokens=args.shard_tokens,
-            batch_bytes=args.batch_mb << 20,
+            batch_bytes=(args.batch_mb or max(1, (os.cpu_count() or 1) // 4)) << 20,
             meta=meta,
         )
     seconds = time.time() - t0
@@ -270,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--val-corpus", nargs="+", metavar="PATH", help="a separate val corpus (--val-fraction unused)")
     e.add_argument("--val-fraction", type=float, default=0.01, help="val share of documents, by text hash (0.01)")
     e.add_argument("--shard-tokens", type=int, default=shards.DEFAULT_SHARD_TOKENS, help="tokens per .bin file")
-    e.add_argument("--batch-mb", type=int, default=4, help="MB of text per encode_batch call (default 4)")
+    e.add_argument(
+        "--batch-mb", type=int, help="MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4, >= 1)"
+    )
     e.add_argument("--out", required=True, help="shard directory to write")
     e.add_argument("--overwrite", action="store_true", help="replace an existing shard directory")
     e.set_defaults(func=cmd_encode)

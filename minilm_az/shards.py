@@ -131,7 +131,7 @@ def write_shards(
     val_documents: Iterable[str] | None = None,
     val_fraction: float = 0.01,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    batch_bytes: int = 4 << 20,
+    batch_bytes: int = 1 << 20,
     meta: dict | None = None,
     on_batch: Callable[[dict], None] | None = None,
 ) -> dict:
@@ -141,7 +141,8 @@ def write_shards(
     should release the GIL, as `encode_batch` does, so reading the next batch overlaps encoding).
     Documents are NFC-normalised, then split by `split_of(text, val_fraction)`, unless
     `val_documents` is given: then `documents` all go to train and `val_documents` to val. Memory
-    is bounded by `batch_bytes` of text (a few batches in flight), whatever the corpus size.
+    is bounded by `batch_bytes` of text (a few batches in flight; the encodings of one batch take
+    ~30x its text), whatever the corpus size.
     """
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
