@@ -1,0 +1,166 @@
+"""finetune.py end to end, as a user runs it: adapter loaded by peft, --merge loaded by transformers,
+torchrun on 2 processes equal to 1, bad input refused with the file named, and --prompt."""
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minilm_az.checkpoint import load_pretrained, save_pretrained
+from minilm_az.generate import generate
+from minilm_az.lora import load_adapter
+from minilm_az.model import ModelConfig, build_model, get_preset
+from minilm_az.tokenizer import load_tokenizer, train_tokenizer, write_tokenizer_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN, VAL = os.path.join(ROOT, "data/chat/az_chat.jsonl"), os.path.join(ROOT, "data/chat/az_chat_val.jsonl")
+ARGS = ["--data", TRAIN, "--val-data", VAL, "--steps", "4", "--global-batch", "8", "--micro-batch", "2",
+        "--lora-r", "8", "--dropout", "0", "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--eval-every", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+
+
+def _finetune_module():
+    spec = importlib.util.spec_from_file_location("finetune", os.path.join(ROOT, "finetune.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+finetune = _finetune_module()
+
+
+def _run(cmd, **kw):
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240, **kw)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def _records(out, kind):
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Llama saved with save_pretrained, with a 600-token tokenizer beside it."""
+    d = str(tmp_path_factory.mktemp("base"))
+    lines = [ln.strip() for f in sorted(glob.glob(os.path.join(ROOT, "data/az/*.txt")))
+             for ln in open(f, encoding="utf-8") if ln.strip()]
+    tok = train_tokenizer(lines, 600, progress=False)
+    write_tokenizer_files(tok, d)
+    save_pretrained(build_model(get_preset("tiny", vocab_size=tok.get_vocab_size()), seed=0), d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def run1(base, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sft1"))
+    _run([sys.executable, "finetune.py", "--model", base, "--out", out, "--merge", "true", *ARGS])
+    return out
+
+
+def _ids(V):
+    return torch.randint(0, V, (2, 21), generator=torch.Generator().manual_seed(3))
+
+
+def test_adapter_loads_in_peft_with_our_logits(base, run1):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(run1))
+    assert json.load(open(os.path.join(run1, "adapter_config.json")))["r"] == 8
+    ours = load_pretrained(base).eval()
+    ids = _ids(ours.config.vocab_size)
+    with torch.no_grad():
+        before = ours(ids)
+        load_adapter(ours, run1)
+        ours.eval()
+        after = ours(ids)
+        pm = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base), run1).eval()
+        theirs = pm(input_ids=ids).logits
+    assert (after - before).abs().max() > 1e-4  # training moved B off zero
+    assert (after - theirs).abs().max() <= 1e-5
+
+
+def test_merged_export_loads_in_transformers_with_adapter_logits(base, run1):
+    transformers = pytest.importorskip("transformers")
+    ours = load_pretrained(base)
+    load_adapter(ours, run1)
+    ours.eval()
+    merged = transformers.LlamaForCausalLM.from_pretrained(os.path.join(run1, "merged")).eval()
+    ids = _ids(ours.config.vocab_size)
+    with torch.no_grad():
+        assert (merged(input_ids=ids).logits - ours(ids)).abs().max() <= 1e-5
+    assert os.path.isfile(os.path.join(run1, "merged", "tokenizer.json"))
+
+
+def test_log_has_loss_lr_throughput_and_val_loss_falls(run1):
+    train = _records(run1, "finetune")
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 and "eta" in r for r in train)
+    evals = _records(run1, "eval")
+    assert [r["step"] for r in evals] == [0, 2, 4] and evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+
+def test_torchrun_two_processes_equal_one(base, run1, tmp_path):
+    out = str(tmp_path / "sft2")
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "finetune.py",
+          "--model", base, "--out", out, *ARGS])
+    one, two = _records(run1, "finetune"), _records(out, "finetune")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
+    assert abs(_records(run1, "eval")[-1]["val_loss"] - _records(out, "eval")[-1]["val_loss"]) < 1e-4
+    from safetensors.torch import load_file
+    wa, wb = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (run1, out))
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_bad_data_names_file_and_line_or_is_skipped(base, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    good = open(TRAIN, encoding="utf-8").readline()
+    bad.write_text(good * 10 + '{"messages": [{"role": "robot", "content": "salam"}]}\n', encoding="utf-8")
+    common = ["--model", base, "--data", str(bad), "--val-fraction", "0", "--steps", "1", "--global-batch", "2",
+              "--micro-batch", "2", "--lora-r", "2", "--out", str(tmp_path / "o")]
+    assert finetune.main(common) == 2
+    assert "bad.jsonl:11: message 0: unknown role 'robot'" in capsys.readouterr().err
+    assert finetune.main(common + ["--on-bad-line", "skip"]) == 0
+    assert "skipped_bad_lines=1" in capsys.readouterr().out
+    assert finetune.main(common + ["--global-batch", "3"]) == 2
+    assert "not a multiple of --micro-batch" in capsys.readouterr().err
+
+
+def test_adapter_for_another_base_is_refused(base, run1, tmp_path, capsys):
+    other = str(tmp_path / "other")
+    cfg = ModelConfig(**{**get_preset("tiny", vocab_size=load_tokenizer(base).get_vocab_size()).to_dict(),
+                         "ffn_dim": 256})
+    save_pretrained(build_model(cfg), other)
+    assert finetune.main(["--model", other, "--tokenizer", base, "--adapter", run1, "--prompt", "Salam"]) == 2
+    assert "different base model" in capsys.readouterr().err
+
+
+def test_prompt_mode_replies_like_generate(base, run1, capsys):
+    assert finetune.main(["--model", base, "--adapter", run1, "--prompt", "Salam!", "--max-new-tokens", "6",
+                          "--temperature", "0"]) == 0
+    reply = capsys.readouterr().out.rstrip("\n")
+    model = load_pretrained(base)
+    load_adapter(model, run1)
+    want = generate(model, load_tokenizer(base), [{"role": "user", "content": "Salam!"}], 6, temperature=0)
+    assert reply == want
+
+
+def test_flags_accept_sagemaker_strings_and_channels(monkeypatch):
+    monkeypatch.setenv("SM_CHANNEL_BASE_MODEL", "/opt/ml/input/data/base_model")
+    monkeypatch.setenv("SM_CHANNEL_DATA", "/opt/ml/input/data/data")
+    monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
+    a = finetune.parse_args(["--merge", "false", "--liger", "True", "--last-turn-only", "--no-compile"])
+    assert (a.model, a.data, a.out) == ("/opt/ml/input/data/base_model", "/opt/ml/input/data/data", "/opt/ml/model")
+    assert a.merge is False and a.liger is True and a.last_turn_only is True and a.compile is False
+    assert (a.r, a.alpha, a.dropout, a.max_seq_len) == (64, 28, 0.05, 1024)
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--merge", "maybe"])
