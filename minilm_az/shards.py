@@ -185,20 +185,23 @@ def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
     done = object()
     stop = threading.Event()
 
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False  # the consumer has gone
+
     def work():
         try:
             for x in items:
-                while not stop.is_set():
-                    try:
-                        q.put((None, x), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((None, x)):
                     return
-            q.put((None, done))
+            put((None, done))
         except BaseException as e:  # handed to the consumer
-            q.put((e, None))
+            put((e, None))
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
