@@ -13,6 +13,7 @@ optimizer and schedule, resume, the loop (step, log, eval, checkpoint), the expo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import resource
@@ -116,7 +117,7 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     if cfg.seq_len > mcfg.max_seq_len:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.max_seq_len} tokens")
 
-    model = meta_model(mcfg, select_ops(d.device, cfg.liger))
+    model = meta_model(mcfg, select_ops(d.device, cfg.liger, cfg.compile))
     if cfg.phase == 1:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
@@ -175,8 +176,12 @@ def eval_only(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
         raise UsageError("--eval-only needs --tokenizer (the model's own tokenizer)")
     tok = load_tokenizer(cfg.tokenizer)
     tokens, n_bytes = eval_tokens(cfg, tok)
-    cfg.phase = 2
-    model = build(cfg, d, read_config(cfg.base_model).vocab_size, log)
+    vocab = read_config(cfg.base_model).vocab_size
+    if tok.get_vocab_size(with_added_tokens=True) > vocab:
+        raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but {cfg.base_model} "
+                         f"only {vocab} embedding rows: is --tokenizer the model's own?")
+    cfg.phase, cfg.base_tokenizer = 2, None  # evaluate the model as it is: no vocabulary transfer
+    model = build(cfg, d, vocab, log)
     log.log("eval", step=0, **evaluate(model, tokens, n_bytes, cfg, d), bytes=n_bytes)
 
 
@@ -225,10 +230,13 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     start = 0
     resume_from = latest_checkpoint(ckpt_dir) if cfg.resume == "auto" else None
     if resume_from:
-        state = load_train_checkpoint(resume_from, model, optimizer, d.rank)
-        if state.get("model") != mcfg.to_dict():
+        # Checked before loading: DCP would fail on the first mismatched tensor with a traceback.
+        with open(os.path.join(resume_from, "train_state.json")) as fh:
+            saved_model = json.load(fh).get("model")
+        if saved_model != mcfg.to_dict():
             raise UsageError(f"{resume_from}: checkpoint is of another model shape; use --resume never "
                              f"or another --checkpoint-dir")
+        state = load_train_checkpoint(resume_from, model, optimizer, d.rank)
         start = state["step"]
         log.info(f"resume from={resume_from} step={start}")
 
@@ -265,7 +273,10 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        step_loss = parallel.all_reduce_sum([float(step_loss)], d.device)[0] / d.world_size
+        # The stop flag rides on the loss all-reduce, so a signal that reached only some ranks stops them all
+        # after this same step (a rank alone in the checkpoint's collectives would hang the job).
+        step_loss, stopping = parallel.all_reduce_sum([float(step_loss), float(stop["signal"] is not None)], d.device)
+        step_loss /= d.world_size
         if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
             last = latest_checkpoint(ckpt_dir)
             raise FloatingPointError(f"loss {step_loss} / grad norm {float(grad_norm)} at step {step + 1}: stopped "
@@ -281,19 +292,21 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
             tps = tokens_per_step * n_acc / t_window
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            log.log("train", step=done, loss=round(loss_acc / n_acc, 5), lr=lr, grad_norm=round(float(grad_norm), 4),
+            log.log("train", step=done, loss=loss_acc / n_acc, lr=lr, grad_norm=round(float(grad_norm), 4),
                     tokens_per_s=round(tps), tokens_per_s_per_gpu=round(tps / d.world_size, 1),
                     mfu=round(100 * flops_tok * tps / d.world_size / PEAK_FLOPS, 2) if cuda else None,
                     peak_mem_gib=round(peak, 2), eta=eta(done - start, cfg.steps - start, t_train))
             t_window, loss_acc, n_acc = 0.0, 0.0, 0
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
             log.log("eval", step=done, **evaluate(model, val_tokens, val_bytes, cfg, d))
-        if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+        saved = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
+        if saved:
             checkpoint(done)
-        if stop["signal"] is not None:
-            if cfg.checkpoint_every == 0 or done % cfg.checkpoint_every:
+        if stopping:
+            if not saved:
                 checkpoint(done)
-            log.info(f"stopped by signal {stop['signal']} at step {done}; resume with --resume auto")
+            log.info(f"stopped by signal {stop['signal'] or int(signal.SIGTERM)} at step {done}; "
+                     f"resume with --resume auto")
             return
 
     eos = eos_id_of(tok)

@@ -48,8 +48,10 @@ def matmul_peak(device) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
-def build_ours(cfg, device, liger: bool, compile: bool, ac: str):
-    model = meta_model(cfg, select_ops(device, liger))
+def build_ours(cfg, device, liger: bool, compile: bool, ac: str, liger_blocks: bool = False):
+    # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
+    ops = select_ops(device, liger, compile and not liger_blocks)
+    model = meta_model(cfg, ops)
     parallel.parallelize(model, mixed_precision=device.type == "cuda", ac=ac, compile=compile)
     materialize(model, device, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -139,6 +141,7 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--quick", action="store_true", help="tiny shapes, few rows: checks the script runs")
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
+    p.add_argument("--sizes", default=None, help="comma-separated micro-batch sizes to keep (default: all)")
     p.add_argument("--out", default="bench/train_throughput.json")
     args = p.parse_args()
     d = parallel.setup(args.device)
@@ -158,6 +161,7 @@ def main():
         ("ours_torch", lambda: build_ours(cfg, device, False, False, "none"), [8, 14] if not args.quick else [2]),
         ("ours_liger", lambda: build_ours(cfg, device, True, False, "none"), [8, 14] if not args.quick else [2]),
         ("ours_liger_compile", lambda: build_ours(cfg, device, True, cuda, "none"), mbs + big),
+        ("ours_ligerblocks_compile", lambda: build_ours(cfg, device, True, cuda, "none", liger_blocks=True), one),
         ("ours_torch_compile", lambda: build_ours(cfg, device, False, cuda, "none"), one),
         ("ours_liger_compile_ac_selective", lambda: build_ours(cfg, device, True, cuda, "selective"),
          [14, 20] if not args.quick else [2]),
@@ -167,6 +171,9 @@ def main():
     if args.only:
         keep = set(args.only.split(","))
         plan = [r for r in plan if r[0] in keep]
+    if args.sizes:
+        keep_sizes = {int(v) for v in args.sizes.split(",")}
+        plan = [(n, b, [m for m in sizes if m in keep_sizes]) for n, b, sizes in plan]
     peak_meas = matmul_peak(device)
     flops_tok = cfg.flops_per_token(seq)
     rows = []

@@ -129,8 +129,15 @@ def _liger_ops() -> Ops:
     return Ops("liger", l_rms_norm, l_rope, liger_swiglu, l_flce)
 
 
-def select_ops(device: str | torch.device, liger: bool = True) -> Ops:
-    """Liger's kernels on CUDA when requested and installed, else plain torch."""
+def select_ops(device: str | torch.device, liger: bool = True, compile: bool = False) -> Ops:
+    """Liger's kernels on CUDA when requested and installed, else plain torch.
+
+    With `compile`, the blocks' norm/RoPE/SwiGLU stay torch ops (Inductor fuses them with their
+    neighbours, which opaque Triton kernels prevent) and only Liger's fused linear cross-entropy is kept.
+    """
     if liger and torch.device(device).type == "cuda" and liger_available():
-        return _liger_ops()
+        ops = _liger_ops()
+        if compile:
+            return Ops("torch+liger_flce", rms_norm, apply_rope, swiglu, ops.linear_cross_entropy)
+        return ops
     return TORCH_OPS
