@@ -164,3 +164,12 @@ def test_flags_accept_sagemaker_strings_and_channels(monkeypatch):
     assert (a.r, a.alpha, a.dropout, a.max_seq_len) == (64, 28, 0.05, 1024)
     with pytest.raises(SystemExit):
         finetune.parse_args(["--merge", "maybe"])
+
+
+def test_data_directory_finds_train_and_val_files(tmp_path):
+    for name in ("train.jsonl", "val.jsonl", "notes.txt"):
+        (tmp_path / name).write_text("")
+    args = finetune.parse_args(["--model", "m", "--data", str(tmp_path)])
+    assert finetune.data_files(args) == ([str(tmp_path / "train.jsonl")], str(tmp_path / "val.jsonl"))
+    with pytest.raises(FileNotFoundError, match="chat data not found"):
+        finetune.data_files(finetune.parse_args(["--model", "m", "--data", str(tmp_path / "x.jsonl")]))
