@@ -302,7 +302,7 @@ def _train(args, d) -> None:
 
     # Model: LoRA on the meta model, shard, allocate, load the base, then initialise the adapters.
     cuda = d.device.type == "cuda"
-    model = meta_model(cfg, select_ops(d.device, args.liger))
+    model = meta_model(cfg, select_ops(d.device, args.liger, compile=args.compile))
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     apply_lora(model, r=args.r, alpha=args.alpha, dropout=args.dropout, targets=targets)
     trainable, total = count_parameters(model)
