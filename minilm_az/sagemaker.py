@@ -6,7 +6,7 @@
 Launcher flags (below) pick the machines and the S3 inputs; every other `--flag value` becomes a
 hyperparameter, which the container hands back to the script as `--flag value`. Inputs arrive as
 channels (`--data` -> `SM_CHANNEL_DATA`), the final model goes to `SM_MODEL_DIR` and is uploaded
-uncompressed, so one stage's output prefix is the next stage's input. docs/sagemaker.md has the rest.
+uncompressed, so one stage's output prefix is the next stage's input. The README's SageMaker section has the rest.
 
 The SageMaker SDK (2.x, `pip install -e ".[sagemaker]"`) is imported only inside `launch`;
 parsing, planning and the container-side helpers need nothing beyond the standard library.
@@ -431,7 +431,7 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
         if not role:
             if not args.dry_run:
                 raise SystemExit("error: no execution role: pass --role arn:aws:iam::ACCOUNT:role/NAME "
-                                 "(docs/sagemaker.md lists what it needs)")
+                                 "(the README's SageMaker section lists what it needs)")
             role = "arn:aws:iam::ACCOUNT:role/ROLE"
         plan = plan_job(args, bucket=bucket, role=role)
         with tempfile.TemporaryDirectory(prefix="minilm-az-src-") as tmp:
