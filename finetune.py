@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from minilm_az.chat import ChatFormatError, NothingToTrain, encode_chat, read_chat_jsonl
 from minilm_az.checkpoint import CheckpointError, load_pretrained, load_weights_into, read_config, save_pretrained
+from minilm_az.config import str2bool
 from minilm_az.kernels import select_ops
 from minilm_az.logs import MetricLogger, eta
 from minilm_az.lora import (
@@ -41,17 +42,6 @@ from minilm_az.lora import (
 from minilm_az.model import materialize, meta_model
 from minilm_az.parallel import all_reduce_sum, parallelize, resolve_device, setup, teardown
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, copy_tokenizer_files, load_tokenizer
-
-
-def str2bool(v) -> bool:
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "y", "on"):
-        return True
-    if s in ("0", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {v!r}")
 
 
 def add_bool(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
