@@ -50,14 +50,10 @@ def setup(device: str = "auto", timeout_min: int = 30) -> Dist:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))  # 1 thread/process is fastest here
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:  # a lone process picks a free port so runs never collide
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        # A lone process (no torchrun) rendezvous in memory: no port to pick, nothing to collide with.
+        store = dist.HashStore() if world == 1 and "MASTER_ADDR" not in os.environ else None
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=timeout_min),
+                                store=store, timeout=timedelta(minutes=timeout_min),
                                 device_id=dev if dev.type == "cuda" else None)
     return Dist(rank, world, local_rank, dev)
 
