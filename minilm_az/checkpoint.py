@@ -195,6 +195,9 @@ def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
     one at a time and written shard by shard, so at most one shard is held in memory. Files land
     atomically: written in a temp dir beside `path`, then moved into place.
     """
+    if any("lora_" in n for n, _ in model.named_parameters()):
+        raise CheckpointError("save_pretrained got a model with LoRA adapters: merge them first (lora.merge_lora) "
+                              "or save the adapter with lora.save_adapter")
     dtype = dtype or next(model.parameters()).dtype
     token_ids = token_ids or {}
     tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(path))) if is_writer else None
@@ -255,6 +258,23 @@ def _step_dir(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"step-{step:08d}")
 
 
+def is_complete(path: str) -> bool:
+    """All of a checkpoint is here: its state, DCP's metadata and every saving rank's files.
+
+    On several hosts each one syncs its own disk to S3, so `latest` can arrive before another
+    host's shards do; a checkpoint counts only once every rank's last-written file is present.
+    """
+    state_file = os.path.join(path, "train_state.json")
+    if not (os.path.isfile(state_file) and os.path.isfile(os.path.join(path, ".metadata"))):
+        return False
+    try:
+        with open(state_file) as fh:
+            world = int(json.load(fh).get("world_size", 1))
+    except (OSError, ValueError):
+        return False
+    return all(os.path.isfile(os.path.join(path, f"rng-{r:05d}.safetensors")) for r in range(world))
+
+
 def latest_checkpoint(ckpt_dir: str | None) -> str | None:
     """The newest complete checkpoint: the one `latest` names, else the highest complete step dir."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
@@ -263,10 +283,10 @@ def latest_checkpoint(ckpt_dir: str | None) -> str | None:
     if os.path.isfile(pointer):
         with open(pointer) as fh:
             cand = os.path.join(ckpt_dir, fh.read().strip())
-        if os.path.isfile(os.path.join(cand, "train_state.json")):
+        if is_complete(cand):
             return cand
     done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-") and not d.endswith(".tmp")
-                  and os.path.isfile(os.path.join(ckpt_dir, d, "train_state.json")))
+                  and is_complete(os.path.join(ckpt_dir, d)))
     return os.path.join(ckpt_dir, done[-1]) if done else None
 
 
@@ -296,7 +316,7 @@ def save_train_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_stat
     save_file(rng, os.path.join(tmp, f"rng-{rank:05d}.safetensors"))
     if rank == 0:
         with open(os.path.join(tmp, "train_state.json"), "w") as fh:
-            json.dump({**train_state, "step": step}, fh, indent=2)
+            json.dump({**train_state, "step": step, "world_size": dist.get_world_size()}, fh, indent=2)
     dist.barrier()
     if local_rank == 0 and os.path.isdir(tmp):
         shutil.rmtree(final, ignore_errors=True)
