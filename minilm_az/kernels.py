@@ -46,11 +46,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w, targets, ignore_index: int, reduction: str, chunk: int):
+    def forward(ctx, h, w, targets, ignore_index: int, reduction: str, chunk: int, grad_enabled: bool):
         n = h.shape[0]
         valid = targets != ignore_index
         n_valid = int(valid.sum())
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # Grad mode is always off inside forward, so the caller says whether gradients are wanted at all.
+        need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_grad else None
@@ -78,7 +79,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out if ctx.needs_input_grad[0] else None
         gw = grad_w * grad_out if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
@@ -87,7 +88,7 @@ def chunked_linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torc
     """CE(h @ w.T, targets): mean over non-ignored targets, or the sum (nats) with reduction="sum"."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk)
+    return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk, torch.is_grad_enabled())
 
 
 @dataclass(frozen=True)
