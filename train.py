@@ -20,6 +20,7 @@ import resource
 import signal
 import sys
 import time
+import unicodedata
 
 import numpy as np
 import torch
@@ -153,7 +154,9 @@ def eval_tokens(cfg: TrainConfig, tok) -> tuple[np.ndarray, int]:
     eos = eos_id_of(tok)
     if cfg.eval_text:
         docs = list(iter_documents(corpus_files(cfg.eval_text)))
-        return bpb.doc_stream(encode_plain(tok, docs), eos), sum(len(t.encode("utf-8")) for t in docs)
+        # Bytes of the NFC text, as the shards count them (our tokenizer normalises to NFC anyway).
+        n_bytes = sum(len(unicodedata.normalize("NFC", t).encode("utf-8")) for t in docs)
+        return bpb.doc_stream(encode_plain(tok, docs), eos), n_bytes
     val = TokenStream(cfg.data, "val")
     if val.num_tokens == 0:
         raise UsageError(f"{cfg.data}: the val split is empty; pass --eval-text or re-encode with a val split")
