@@ -235,7 +235,12 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     if resume_from:
         # Checked before loading: DCP would fail on the first mismatched tensor with a traceback.
         with open(os.path.join(resume_from, "train_state.json")) as fh:
-            saved_model = json.load(fh).get("model")
+            saved = json.load(fh)
+        saved_model = saved.get("model")
+        changed = [k for k in ("seed", "global_batch", "seq_len") if k in saved and saved[k] != getattr(cfg, k)]
+        if changed:  # allowed (a deliberate change), but the data order then differs from the saved run's
+            diff = ", ".join(f"{k}={saved[k]}->{getattr(cfg, k)}" for k in changed)
+            log.info(f"warning: resuming with changed {diff}: the batches differ from those the saved run would see")
         if saved_model != mcfg.to_dict():
             raise UsageError(f"{resume_from}: checkpoint is of another model shape; use --resume never "
                              f"or another --checkpoint-dir")

@@ -32,7 +32,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for, but no CUDA device is visible")
+        raise ValueError("--device cuda was asked for, but no CUDA device is visible")
     return torch.device(device)
 
 
