@@ -1,6 +1,5 @@
 """Chat format: our ids equal transformers' apply_chat_template; labels are exactly the assistant's tokens."""
 
-import glob
 import json
 import os
 
@@ -15,7 +14,7 @@ from minilm_az.chat import (
     read_chat_jsonl,
     validate_messages,
 )
-from minilm_az.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer, write_tokenizer_files
+from minilm_az.tokenizer import EOT, encode_plain, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM = {"role": "system", "content": "Sən köməkçi assistentsən."}
@@ -26,12 +25,8 @@ A2 = {"role": "assistant", "content": "Düyünü isladırsan, sonra dəmə qoyur
 
 
 @pytest.fixture(scope="session")
-def tok_dir(tmp_path_factory):
-    lines = [ln.strip() for f in sorted(glob.glob(os.path.join(ROOT, "data/az/*.txt")))
-             for ln in open(f, encoding="utf-8") if ln.strip()]
-    out = str(tmp_path_factory.mktemp("tok"))
-    write_tokenizer_files(train_tokenizer(lines, 600, progress=False), out)
-    return out
+def tok_dir(small_tokenizer_dir):
+    return small_tokenizer_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """finetune.py end to end, as a user runs it: adapter loaded by peft, --merge loaded by transformers,
 torchrun on 2 processes equal to 1, bad input refused with the file named, and --prompt."""
 
-import glob
 import importlib.util
 import json
 import os
@@ -15,7 +14,7 @@ from minilm_az.checkpoint import load_pretrained, save_pretrained
 from minilm_az.generate import generate
 from minilm_az.lora import load_adapter
 from minilm_az.model import ModelConfig, build_model, get_preset
-from minilm_az.tokenizer import load_tokenizer, train_tokenizer, write_tokenizer_files
+from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, VAL = os.path.join(ROOT, "data/chat/az_chat.jsonl"), os.path.join(ROOT, "data/chat/az_chat_val.jsonl")
@@ -46,13 +45,11 @@ def _records(out, kind):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, small_tokenizer_dir):
     """A tiny random Llama saved with save_pretrained, with a 600-token tokenizer beside it."""
     d = str(tmp_path_factory.mktemp("base"))
-    lines = [ln.strip() for f in sorted(glob.glob(os.path.join(ROOT, "data/az/*.txt")))
-             for ln in open(f, encoding="utf-8") if ln.strip()]
-    tok = train_tokenizer(lines, 600, progress=False)
-    write_tokenizer_files(tok, d)
+    copy_tokenizer_files(small_tokenizer_dir, d)
+    tok = load_tokenizer(d)
     save_pretrained(build_model(get_preset("tiny", vocab_size=tok.get_vocab_size()), seed=0), d)
     return d
 

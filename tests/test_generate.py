@@ -1,6 +1,5 @@
 """Generation: the KV-cache path gives the same greedy tokens as recomputing everything; stops; sampling."""
 
-import glob
 import os
 
 import pytest
@@ -9,18 +8,14 @@ import torch
 from minilm_az.chat import encode_prompt
 from minilm_az.generate import generate, generate_ids, sample_next
 from minilm_az.model import build_model, get_preset
-from minilm_az.tokenizer import EOS, EOT, load_tokenizer, train_tokenizer, write_tokenizer_files
+from minilm_az.tokenizer import EOS, EOT, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    lines = [ln.strip() for f in sorted(glob.glob(os.path.join(ROOT, "data/az/*.txt")))
-             for ln in open(f, encoding="utf-8") if ln.strip()]
-    out = str(tmp_path_factory.mktemp("tok"))
-    write_tokenizer_files(train_tokenizer(lines, 600, progress=False), out)
-    return load_tokenizer(out)
+def tok(small_tokenizer_dir):
+    return load_tokenizer(small_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
