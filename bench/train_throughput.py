@@ -54,17 +54,22 @@ def build_ours(cfg, device, liger: bool, compile: bool, ac: str, liger_blocks: b
     model = meta_model(cfg, ops)
     parallel.parallelize(model, mixed_precision=device.type == "cuda", ac=ac, compile=compile)
     materialize(model, device, seed=0)
+    return model, train_step(model, lambda x, y: model(x, targets=y), device)
+
+
+def train_step(model, loss_fn, device):
+    """One optimizer step as both sides take it: loss, backward, clip to 1.0, fused AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
 
     def step(x, y):
-        loss = model(x, targets=y)
+        loss = loss_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return model, step
+    return step
 
 
 def build_peer(cfg, device, ac: bool, liger: bool = True):
@@ -78,19 +83,12 @@ def build_peer(cfg, device, ac: bool, liger: bool = True):
     if ac:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.config.use_cache = False
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    def step(x, y):
+    def loss_fn(x, y):
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-            loss = hf(input_ids=x, labels=y, use_cache=False).loss  # labels are shifted inside
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return hf, step
+            return hf(input_ids=x, labels=y, use_cache=False).loss  # labels are shifted inside
+    return hf, train_step(hf, loss_fn, device)
 
 
 def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
