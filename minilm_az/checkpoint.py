@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import tempfile
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 from safetensors import safe_open
@@ -19,6 +20,9 @@ from safetensors.torch import save_file
 
 from minilm_az.kernels import TORCH_OPS, Ops
 from minilm_az.model import Llama, ModelConfig, copy_full_into, materialize, meta_model
+from minilm_az.outputs import atomic_write_json, staged_output
+
+HF_STAGE = "hf-model"  # the stage name save_pretrained records in the output marker
 
 
 class CheckpointError(ValueError):
@@ -186,28 +190,43 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _hf_weight_files(path: str) -> list[str]:
+    # Every weight layout an HF directory can have: a new export replaces whichever one is there.
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return ["model.safetensors", "model.safetensors.index.json",
+            *sorted(n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n))]
+
+
 def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = 2 * 1024**3, token_ids: dict | None = None,
                     is_writer: bool = True) -> None:
     """Export to a HF model directory: config.json + model.safetensors (sharded above `max_shard_bytes`).
 
     Works on a sharded model too: call it on every rank; only `is_writer` writes. Tensors are gathered
-    one at a time and written shard by shard, so at most one shard is held in memory. Files land
-    atomically: written in a temp dir beside `path`, then moved into place.
+    one at a time and written shard by shard, so at most one shard is held in memory. Files are staged
+    inside `path` and moved in (outputs.staged_output), so `path` may be a mount point.
     """
     if any("lora_" in n for n, _ in model.named_parameters()):
         raise CheckpointError("save_pretrained got a model with LoRA adapters: merge them first (lora.merge_lora) "
                               "or save the adapter with lora.save_adapter")
     dtype = dtype or next(model.parameters()).dtype
-    token_ids = token_ids or {}
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(path))) if is_writer else None
+    staged = staged_output(path, stage=HF_STAGE, replaces=_hf_weight_files(path)) if is_writer else nullcontext()
+    with staged as tmp:
+        weight_map, total = _write_shards(model, tmp, dtype, max_shard_bytes)
+        if tmp is not None:
+            _write_hf_layout(tmp, weight_map, total)
+            atomic_write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype, **(token_ids or {})))
+
+
+def _write_shards(model: Llama, tmp: str | None, dtype: torch.dtype, max_shard_bytes: int) -> tuple[dict, int]:
+    """Gather tensors one by one (every rank) and write them as model-0000i.safetensors into tmp (writer only)."""
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, n_shards, total = 0, 0, 0
 
     def flush():
         nonlocal shard, shard_bytes, n_shards
-        if shard and is_writer:
+        if shard and tmp is not None:
             name = f"model-{n_shards + 1:05d}.safetensors"
             save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
             weight_map.update({k: name for k in shard})
@@ -218,7 +237,7 @@ def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
         if name == "lm_head.weight" and model.config.tie_embeddings:
             continue
         t = _full(p.detach())
-        if not is_writer:
+        if tmp is None:
             continue
         t = t.to(device="cpu", dtype=dtype).contiguous()
         nbytes = t.numel() * t.element_size()
@@ -228,28 +247,20 @@ def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
         shard_bytes += nbytes
         total += nbytes
     flush()
-    if not is_writer:
-        return
+    return weight_map, total
+
+
+def _write_hf_layout(tmp: str, weight_map: dict[str, str], total: int) -> None:
+    """One shard becomes model.safetensors; several get HF's -of-0000n names and an index."""
     files = sorted(set(weight_map.values()))
     if len(files) == 1:
         os.replace(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
-    else:
-        # Rename model-0000i.safetensors to the HF pattern model-0000i-of-0000n.safetensors.
-        renames = {f: f.replace(".safetensors", f"-of-{len(files):05d}.safetensors") for f in files}
-        for a, b in renames.items():
-            os.replace(os.path.join(tmp, a), os.path.join(tmp, b))
-        index = {"metadata": {"total_size": total}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
-            json.dump(index, fh, indent=2)
-    with open(os.path.join(tmp, "config.json"), "w") as fh:
-        json.dump(config_to_hf(model.config, dtype, **token_ids), fh, indent=2)
-    os.makedirs(path, exist_ok=True)
-    for stale in ("model.safetensors", "model.safetensors.index.json"):  # a previous export's layout
-        if os.path.exists(os.path.join(path, stale)):
-            os.remove(os.path.join(path, stale))
-    for f in os.listdir(tmp):
-        os.replace(os.path.join(tmp, f), os.path.join(path, f))
-    shutil.rmtree(tmp, ignore_errors=True)
+        return
+    renames = {f: f.replace(".safetensors", f"-of-{len(files):05d}.safetensors") for f in files}
+    for a, b in renames.items():
+        os.replace(os.path.join(tmp, a), os.path.join(tmp, b))
+    index = {"metadata": {"total_size": total}, "weight_map": {k: renames[v] for k, v in weight_map.items()}}
+    atomic_write_json(os.path.join(tmp, "model.safetensors.index.json"), index)
 
 
 # ---------------------------------------------------------------- training checkpoints (DCP)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -27,9 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from minilm_az.outputs import staged_output
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_STAGE = "lora-adapter"  # the stage name save_adapter records in the output marker
 _BASE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim_override")
 
 
@@ -228,19 +229,12 @@ def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | Non
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
         "use_rslora": False, "use_dora": False, "revision": None,
     }
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".adapter-", dir=parent)
-    try:
+    # Staged inside `path` and moved in (the .json config after the weights), so `path` may be a mount point.
+    with staged_output(path, stage=ADAPTER_STAGE) as tmp:
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE),
                   metadata={"format": "pt", "minilm_az.base": json.dumps(_base_fingerprint(model), sort_keys=True)})
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
-        os.makedirs(path, exist_ok=True)
-        for name in (WEIGHTS_FILE, CONFIG_FILE):  # weights first: a config never points at old weights
-            os.replace(os.path.join(tmp, name), os.path.join(path, name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_adapter_config(path: str) -> dict:

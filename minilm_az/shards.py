@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from minilm_az.outputs import atomic_write_json
+
 FORMAT = 1
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB (uint16) / 400 MB (uint32) files
@@ -113,11 +115,7 @@ class ShardWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        tmp = os.path.join(self.out_dir, "index.json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.index, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, os.path.join(self.out_dir, "index.json"))
+        atomic_write_json(os.path.join(self.out_dir, "index.json"), self.index)
         return self.index
 
 

@@ -157,7 +157,8 @@ def test_adapter_is_peft_format_and_peft_gives_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = _adapted(tmp_path)
     save_adapter(model, str(tmp_path / "adapter"), base_model_name_or_path=str(tmp_path / "base"))
-    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors",
+                                                        "minilm-az-output.json"]
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 28 and sorted(cfg["target_modules"]) == sorted(TARGETS)
     keys = set(lora_state_dict(model))
