@@ -4,14 +4,15 @@ NAME ?= demo
 
 .PHONY: demo demo-quick report test lint
 
-demo:  ## tokenizer, base model, phase 1, phase 2, LoRA chat fine-tune, report (< 15 min on 2 cores)
-	$(PYTHON) -m minilm_az.demo --name $(NAME)
+# Durations measured with `time make demo` / `time make demo-quick` on 2 CPU cores (demo/run.py's --help says the same).
+demo:  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (~11 min on 2 cores)
+	$(PYTHON) -m demo --name $(NAME)
 
-demo-quick:  ## the same stages with the CI test's few steps (~3 min)
-	$(PYTHON) -m minilm_az.demo --name $(NAME)-quick --quick
+demo-quick:  ## the same stages with the CI test's few steps (~2 min)
+	$(PYTHON) -m demo --name $(NAME)-quick --quick
 
 report:  ## rewrite runs/$(NAME)/report.md and its plots from what the run left
-	$(PYTHON) -m minilm_az.report runs/$(NAME)
+	$(PYTHON) -m demo.report runs/$(NAME)
 
 test:
 	$(PYTHON) -m pytest -q

