@@ -16,7 +16,6 @@ leaves that in sys.modules, which is what the importer hands back. The script is
 from __future__ import annotations
 
 # Only these imports are safe in both branches below; module-level code outside the `else` uses only them.
-import contextlib
 import os
 import sys
 
@@ -33,18 +32,17 @@ if __name__ == "tokenize":
     sys.modules["tokenize"] = _stdlib
     _spec.loader.exec_module(_stdlib)
 else:
-    import argparse
     import functools
     import json
-    import shutil
-    import tempfile
     import time
 
     from tqdm import tqdm
 
     from minilm_az import shards
     from minilm_az import tokenizer as tk
+    from minilm_az.config import TOKENIZE_CONFIGS, HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
+    from minilm_az.outputs import atomic_write_text, staged_output, written_by
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
 DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
@@ -54,45 +52,23 @@ DEMO_VAL = [os.path.join(DATA_DIR, "firefox.txt")]
 # --- output directories: refuse to clobber, never leave a half-written one -------------------------
 
 
-def check_out_dir(out: str, overwrite: bool, marker: str) -> None:
-    """Fail early (before hours of work) if `out` cannot be written; `marker` proves it is ours."""
+def check_out_dir(out: str, overwrite: bool, stage: str) -> None:
+    """Fail early (before hours of work) if `out` holds anything but a previous output of this stage.
+
+    `--overwrite` replaces only what this stage wrote (its record in the output marker, outputs.py), never
+    a directory holding other artifacts, such as a model that carries a copy of the tokenizer.
+    """
     if not os.path.exists(out):
         return
     if not os.path.isdir(out):
         raise FileExistsError(f"output path exists and is not a directory: {out}")
-    entries = os.listdir(out)
-    if not entries:
+    if not [e for e in os.listdir(out) if not e.startswith(".")]:
         return
     if not overwrite:
         raise FileExistsError(f"output directory exists: {out} (pass --overwrite to replace it)")
-    if marker not in entries:
-        raise FileExistsError(f"refusing to overwrite {out}: it has no {marker}, so it is not an output of this stage")
-
-
-@contextlib.contextmanager
-def staged_dir(out: str):
-    """Yield a temporary sibling of `out`; on success it replaces `out`, on any failure it is removed."""
-    out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the output is an ordinary directory
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if os.path.isdir(out):
-        if os.listdir(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-            os.replace(out, os.path.join(old, "d"))
-        else:
-            os.rmdir(out)
-    os.replace(tmp, out)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    if written_by(out, stage) is None:
+        raise FileExistsError(f"refusing to overwrite {out}: it holds no output of `{stage}`, so it is not this "
+                              f"stage's to replace")
 
 
 def progress_bar(files: list[str], desc: str, enabled: bool) -> tqdm:
@@ -109,7 +85,7 @@ def read(files: list[str], args, bar: tqdm | None = None):
 
 def cmd_train(args) -> None:
     files = tk.corpus_files(args.corpus or DEMO_TRAIN)
-    check_out_dir(args.out, args.overwrite, "tokenizer.json")
+    check_out_dir(args.out, args.overwrite, "tokenize train")
     t0 = time.time()
     with progress_bar(files, "read corpus", args.progress) as bar:
         tok = tk.train_tokenizer(
@@ -118,7 +94,7 @@ def cmd_train(args) -> None:
     vocab = tok.get_vocab_size()
     if vocab < args.vocab_size:
         print(f"warning: corpus too small for {args.vocab_size} ids; trained {vocab}", file=sys.stderr)
-    with staged_dir(args.out) as tmp:
+    with staged_output(args.out, stage="tokenize train") as tmp:
         tk.write_tokenizer_files(tok, tmp, args.model_max_length)
         record = {
             "vocab_size": vocab,
@@ -147,6 +123,13 @@ def _combine(parts: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def cmd_report(args) -> None:
+    if args.json:  # checked before the work: the report must not replace a file the user had
+        inputs = [args.tokenizer, args.baseline, *(args.corpus or [])]
+        target = os.path.realpath(args.json)
+        if any(p and target in (os.path.realpath(p), os.path.realpath(tk_json(p))) for p in inputs):
+            raise FileExistsError(f"--json {args.json} is one of the inputs")
+        if os.path.exists(args.json) and not args.overwrite:
+            raise FileExistsError(f"--json {args.json} exists (pass --overwrite to replace it)")
     toks = {"ours": tk.load_tokenizer(args.tokenizer)}
     paths = {"ours": args.tokenizer}
     if args.baseline:
@@ -174,8 +157,7 @@ def cmd_report(args) -> None:
     }
     text = json.dumps(report, indent=2, ensure_ascii=False)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        atomic_write_text(args.json, text + "\n")
         print(f"wrote {args.json}")
     else:
         print(text)
@@ -191,7 +173,7 @@ def cmd_encode(args) -> None:
         corpus, val_corpus = DEMO_TRAIN, val_corpus or DEMO_VAL
     files = tk.corpus_files(corpus)
     val_files = tk.corpus_files(val_corpus) if val_corpus else None
-    check_out_dir(args.out, args.overwrite, "index.json")
+    check_out_dir(args.out, args.overwrite, "tokenize encode")
     meta = {
         "created_by": "tokenize.py encode",
         "tokenizer": os.path.abspath(args.tokenizer),
@@ -202,7 +184,8 @@ def cmd_encode(args) -> None:
         "normalization": "NFC",
     }
     t0 = time.time()
-    with progress_bar(files + (val_files or []), "encode", args.progress) as bar, staged_dir(args.out) as tmp:
+    with progress_bar(files + (val_files or []), "encode", args.progress) as bar, \
+            staged_output(args.out, stage="tokenize encode") as tmp:
         index = shards.write_shards(
             read(files, args, bar),
             tmp,
@@ -228,59 +211,40 @@ def cmd_encode(args) -> None:
 # --- command line ------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenize.py", description=__doc__.split("\n\n")[0])
+def tk_json(path: str) -> str:
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+COMMANDS = {
+    "train": (cmd_train, "train the byte-level BPE tokenizer"),
+    "report": (cmd_report, "fertility, bytes/token, chars/token: ours vs a baseline"),
+    "encode": (cmd_encode, "corpus -> token shards (+ index.json) for train.py"),
+}
+
+
+def parse_args(argv: list[str] | None = None):
+    """The subcommand's config (config.py), with `func` and `command` attached."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, _, examples = __doc__.partition("\n\n")
+    p = Parser(prog="tokenize.py", description=head, epilog=examples.split("\n\n")[0],
+               formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-
-    def corpus_flags(q, default):
-        q.add_argument(
-            "--corpus", nargs="+", metavar="PATH", help=f".txt/.jsonl files (or .gz of them), dirs; default: {default}"
-        )
-        q.add_argument(
-            "--doc-sep", choices=["line", "blank"], default="line", help=".txt: a document a line, or blank-separated"
-        )
-        q.add_argument("--text-field", default="text", help=".jsonl field holding the text (default: text)")
-        q.add_argument(
-            "--errors", choices=["strict", "replace"], default="strict", help="invalid UTF-8: fail (default) or U+FFFD"
-        )
-        q.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-
-    t = sub.add_parser("train", help="train the byte-level BPE tokenizer")
-    corpus_flags(t, "data/az mediawiki+kde+django")
-    t.add_argument(
-        "--vocab-size", type=int, default=100_000, help=f"ids incl. bytes and specials (>= {tk.MIN_VOCAB_SIZE})"
-    )
-    t.add_argument("--min-frequency", type=int, default=2, help="least count of a pair to merge (default 2)")
-    t.add_argument("--max-token-length", type=int, help="longest token in characters (default: no limit)")
-    t.add_argument("--model-max-length", type=int, help="model_max_length in tokenizer_config.json")
-    t.add_argument("--out", required=True, help="tokenizer directory to write")
-    t.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer directory")
-    t.set_defaults(func=cmd_train)
-
-    r = sub.add_parser("report", help="fertility, bytes/token, chars/token: ours vs a baseline")
-    corpus_flags(r, "data/az/firefox.txt (held out)")
-    r.add_argument("--tokenizer", required=True, help="our tokenizer dir (or tokenizer.json)")
-    r.add_argument("--baseline", help="a baseline tokenizer.json or the dir holding it (the base model's)")
-    r.add_argument("--json", metavar="FILE", help="write the JSON report here instead of printing it")
-    r.set_defaults(func=cmd_report)
-
-    e = sub.add_parser("encode", help="corpus -> token shards (+ index.json) for train.py")
-    corpus_flags(e, "data/az mediawiki+kde+django, firefox as --val-corpus")
-    e.add_argument("--tokenizer", required=True, help="tokenizer dir (or tokenizer.json)")
-    e.add_argument("--val-corpus", nargs="+", metavar="PATH", help="a separate val corpus (--val-fraction unused)")
-    e.add_argument("--val-fraction", type=float, default=0.01, help="val share of documents, by text hash (0.01)")
-    e.add_argument("--shard-tokens", type=int, default=shards.DEFAULT_SHARD_TOKENS, help="tokens per .bin file")
-    e.add_argument(
-        "--batch-mb", type=int, help="MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4, >= 1)"
-    )
-    e.add_argument("--out", required=True, help="shard directory to write")
-    e.add_argument("--overwrite", action="store_true", help="replace an existing shard directory")
-    e.set_defaults(func=cmd_encode)
-    return p
+    for name, (_, help_) in COMMANDS.items():
+        add_dataclass_args(sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter,
+                                          allow_abbrev=False), TOKENIZE_CONFIGS[name])
+    if not argv or argv[0] not in COMMANDS:
+        p.parse_args(argv)  # prints usage and exits
+    cfg = parse_config(TOKENIZE_CONFIGS[argv[0]], p, argv)
+    if argv[0] in ("report", "encode") and not cfg.tokenizer:
+        p.error(f"{argv[0]}: --tokenizer is required")
+    if argv[0] in ("train", "encode") and not cfg.out:
+        p.error(f"{argv[0]}: --out is required")
+    cfg.command, cfg.func = argv[0], COMMANDS[argv[0]][0]
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # CorpusError is a ValueError

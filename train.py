@@ -1,19 +1,20 @@
 """Stage 2: continued pretraining of our Llama on token shards, under torchrun with FSDP2.
 
-    torchrun --nproc_per_node 8 train.py --phase 1 --base-model BASE --base-tokenizer BASE \
-        --tokenizer TOK --data SHARDS --out PHASE1        # embeddings only, new vocabulary adapts
-    torchrun --nproc_per_node 8 train.py --phase 2 --base-model PHASE1 --tokenizer TOK \
+    torchrun --nproc_per_node 8 train.py --phase 1 --base-model BASE --base-tokenizer BASE \\
+        --tokenizer TOK --data SHARDS --out PHASE1        # embeddings only, the new vocabulary adapts
+    torchrun --nproc_per_node 8 train.py --phase 2 --base-model PHASE1 --tokenizer TOK \\
         --data SHARDS --out PHASE2                        # everything trains
+    python train.py --eval-only --base-model M --tokenizer M --eval-text FILE    # bits per byte
 
-Reads top to bottom: flags and their defaults, the model (vocabulary transfer in phase 1), the
-optimizer and schedule, resume, the loop (step, log, eval, checkpoint), the export.
-`python train.py --eval-only --base-model M --tokenizer T --eval-text FILE` measures bits per byte.
+Reads top to bottom: flags and the defaults they resolve to, the inputs and their checks, the model
+(vocabulary transfer in phase 1), evaluation, one training step, then `train`: resume, the loop (step,
+log, eval, checkpoint) and the export.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import dataclasses
+import hashlib
 import math
 import os
 import resource
@@ -27,28 +28,32 @@ import torch
 
 from minilm_az import bpb, parallel
 from minilm_az.checkpoint import (
+    Checkpointer,
     CheckpointError,
     latest_checkpoint,
-    load_train_checkpoint,
     load_weights_into,
     read_config,
     read_tensor,
+    resume,
     save_pretrained,
-    save_train_checkpoint,
 )
-from minilm_az.config import PHASE_DEFAULTS, TrainConfig, add_dataclass_args, env_default, from_args, in_sagemaker
+from minilm_az.config import PHASE_DEFAULTS, TrainConfig, in_sagemaker, make_parser, parse_config
 from minilm_az.data import BatchStream
 from minilm_az.kernels import select_ops
-from minilm_az.logs import MetricLogger, eta
+from minilm_az.logs import MetricLogger, Progress, print_error, ticker
 from minilm_az.model import get_preset, materialize, meta_model
+from minilm_az.optim import adamw, cosine_lr, set_lr
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.tokenizer import (
-    EOS,
+    BOS,
+    check_model_tokenizer,
     copy_tokenizer_files,
     corpus_files,
     encode_plain,
+    eos_id,
     iter_documents,
     load_tokenizer,
+    token_byte_lengths,
     tokenizer_hash,
 )
 from minilm_az.transfer import transfer_embedding
@@ -60,22 +65,41 @@ class UsageError(Exception):
     """A problem with the flags or inputs, reported as one line without a traceback."""
 
 
-def parse_args(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    add_dataclass_args(p, TrainConfig)
-    cfg = from_args(TrainConfig, p.parse_args(argv))
-    # SageMaker's channels and model dir are the defaults for paths; the phase gives lr and steps.
-    cfg.base_model = cfg.base_model or env_default("SM_CHANNEL_BASE_MODEL")
-    cfg.base_tokenizer = cfg.base_tokenizer or env_default("SM_CHANNEL_BASE_TOKENIZER")
-    cfg.tokenizer = cfg.tokenizer or env_default("SM_CHANNEL_TOKENIZER")
-    cfg.data = cfg.data or env_default("SM_CHANNEL_DATA")
-    cfg.out = cfg.out or env_default("SM_MODEL_DIR") or os.path.join("runs", f"phase{cfg.phase}")
-    if not cfg.checkpoint_dir:
-        cfg.checkpoint_dir = "/opt/ml/checkpoints" if in_sagemaker() else os.path.join(cfg.out, "checkpoints")
-    cfg.steps = cfg.steps if cfg.steps is not None else PHASE_DEFAULTS[cfg.phase]["steps"]
+# ---------------------------------------------------------------- flags
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    p = make_parser(TrainConfig, "train.py", __doc__)
+    cfg = parse_config(TrainConfig, p, argv)
+    try:
+        resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    except (UsageError, ValueError) as e:  # CheckpointError is a ValueError
+        p.error(str(e))
+    return cfg
+
+
+def resolve(cfg: TrainConfig, world: int) -> None:
+    """Defaults that depend on the phase, the model and the number of processes; flag errors before any work."""
+    if cfg.phase == 1 and not cfg.eval_only and not (cfg.base_model and cfg.base_tokenizer):
+        raise UsageError("--phase 1 needs --base-model and --base-tokenizer (the base's own tokenizer): it trains "
+                         "the embeddings of a pretrained backbone for our vocabulary")
+    cfg.out = cfg.out or os.path.join("runs", f"phase{cfg.phase}")
+    cfg.checkpoint_dir = cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
+    cfg.steps = cfg.steps or PHASE_DEFAULTS[cfg.phase]["steps"]
     cfg.lr = cfg.lr if cfg.lr is not None else PHASE_DEFAULTS[cfg.phase]["lr"]
     cfg.warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 20)
-    return cfg
+    if cfg.checkpoint_minutes is None:  # on SageMaker a spot interruption sends no SIGTERM we could act on
+        cfg.checkpoint_minutes = 30.0 if in_sagemaker() else 0.0
+    base = need_dir(cfg.base_model, "--base-model", "a Hugging Face model directory") if cfg.base_model else None
+    context = read_config(base).max_seq_len if base else get_preset(cfg.preset).max_seq_len
+    cfg.seq_len = cfg.seq_len or min(2048, context)
+    if cfg.seq_len > context:
+        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the model's context of {context} tokens")
+    cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=14)
+    for name in ("base_model", "base_tokenizer", "tokenizer", "data"):
+        path = getattr(cfg, name)
+        if not cfg.eval_only and path and os.path.abspath(path) == os.path.abspath(cfg.out):
+            raise UsageError(f"--out {cfg.out} is also --{name.replace('_', '-')}: the export would overwrite it")
 
 
 def need_dir(path: str | None, flag: str, what: str) -> str:
@@ -86,38 +110,66 @@ def need_dir(path: str | None, flag: str, what: str) -> str:
     return path
 
 
-def eos_id_of(tok) -> int:
-    for t in (EOS, "<|endoftext|>", "</s>"):
-        if tok.token_to_id(t) is not None:
-            return tok.token_to_id(t)
-    raise UsageError("the tokenizer has no end-of-text token (<|end_of_text|>, <|endoftext|> or </s>)")
+def check_writable(path: str, flag: str) -> None:
+    """Found now, not at the first checkpoint hours in: can this directory be written?"""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
+def fingerprint(model_dir: str | None) -> str | None:
+    """A cheap identity of a model directory: config.json, and each weight file's size, head and tail."""
+    if not model_dir:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(model_dir)):
+        if name == "config.json" or name.endswith(".safetensors"):
+            path, size = os.path.join(model_dir, name), os.path.getsize(os.path.join(model_dir, name))
+            with open(path, "rb") as f:
+                h.update(f"{name}:{size}".encode() + f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def embedding_rows(cfg: TrainConfig, n_tok: int) -> int:
+    """Rows of the model's embedding: the base's (phase 2 from a model), else our vocabulary padded to 64."""
+    if cfg.base_model and not cfg.base_tokenizer:  # the model already speaks this tokenizer
+        check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
+        vocab = read_config(cfg.base_model).vocab_size
+        if vocab < n_tok:
+            raise UsageError(f"the tokenizer has {n_tok} ids but {cfg.base_model} only {vocab} embedding rows: "
+                             f"pass --base-tokenizer to transfer the vocabulary (phase 1)")
+        return vocab
+    if cfg.base_model:
+        check_model_tokenizer(cfg.base_model, cfg.base_tokenizer, "--base-tokenizer")
+    return math.ceil(n_tok / 64) * 64  # new embedding rows: a GPU-friendly multiple
 
 
 # ---------------------------------------------------------------- model
+
 
 def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger, tok=None):
     """Meta model -> freeze for the phase -> AC/compile/FSDP2 -> materialise -> load (or init) weights."""
     overrides = {}
     if cfg.base_model:
-        need_dir(cfg.base_model, "--base-model", "a Hugging Face model directory")
         mcfg = read_config(cfg.base_model)
-        if cfg.base_tokenizer:
+        if cfg.base_tokenizer:  # phase 1: our vocabulary's rows from the base's rows (transfer.py)
             base_tok = load_tokenizer(cfg.base_tokenizer)
-            rows, stats = transfer_embedding(read_tensor(cfg.base_model, "model.embed_tokens.weight"), base_tok,
-                                             tok, vocab_size)
-            log.info(f"vocab_transfer embed_tokens {stats} base_vocab={mcfg.vocab_size} new_vocab={vocab_size}")
-            overrides["model.embed_tokens.weight"] = rows
-            if not mcfg.tie_embeddings:
-                head, hstats = transfer_embedding(read_tensor(cfg.base_model, "lm_head.weight"), base_tok, tok,
-                                                  vocab_size)
-                log.info(f"vocab_transfer lm_head {hstats}")
-                overrides["lm_head.weight"] = head
+            heads = ["model.embed_tokens.weight"] + ([] if mcfg.tie_embeddings else ["lm_head.weight"])
+            for name in heads:
+                rows, stats = transfer_embedding(read_tensor(cfg.base_model, name), base_tok, tok, vocab_size)
+                log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), base_vocab=mcfg.vocab_size,
+                        new_vocab=vocab_size)
+                overrides[name] = rows
             mcfg = mcfg.with_vocab(vocab_size)
     else:
         mcfg = get_preset(cfg.preset, vocab_size)
-    if cfg.seq_len > mcfg.max_seq_len:
-        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the model's context of {mcfg.max_seq_len} tokens")
-
     model = meta_model(mcfg, select_ops(d.device, cfg.liger, cfg.compile))
     if cfg.phase == 1:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
@@ -129,205 +181,171 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     return model
 
 
-def make_optimizer(model, cfg: TrainConfig, cuda: bool) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if name.endswith("norm.weight") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             fused=cuda, foreach=not cuda)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr, then cosine down to lr * min_lr_ratio at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
 # ---------------------------------------------------------------- evaluation
 
-def eval_tokens(cfg: TrainConfig, tok) -> tuple[np.ndarray, int]:
-    """The stream to score and its UTF-8 bytes: --eval-text documents, else the val split of --data."""
-    eos = eos_id_of(tok)
+
+def eval_tokens(cfg: TrainConfig, tok) -> np.ndarray:
+    """The stream to score: --eval-text documents (NFC once, then encoded), else the val split of --data."""
+    eos = eos_id(tok)
     if cfg.eval_text:
-        docs = list(iter_documents(corpus_files(cfg.eval_text)))
-        # Bytes of the NFC text, as the shards count them (our tokenizer normalises to NFC anyway).
-        n_bytes = sum(len(unicodedata.normalize("NFC", t).encode("utf-8")) for t in docs)
-        return bpb.doc_stream(encode_plain(tok, docs), eos), n_bytes
+        docs = [unicodedata.normalize("NFC", t) for t in iter_documents(corpus_files(cfg.eval_text))]
+        return bpb.doc_stream(encode_plain(tok, docs), eos)
     val = TokenStream(cfg.data, "val")
     if val.num_tokens == 0:
         raise UsageError(f"{cfg.data}: the val split is empty; pass --eval-text or re-encode with a val split")
-    return np.concatenate([[eos], val.get(0, val.num_tokens)]), val.num_bytes
+    return np.concatenate([[eos], val.get(0, val.num_tokens)])
 
 
-def evaluate(model, tokens: np.ndarray, n_bytes: int, cfg: TrainConfig, d: parallel.Dist) -> dict:
-    nll, count = bpb.total_nll(model, tokens, cfg.seq_len, cfg.micro_batch, d.device, d.rank, d.world_size,
-                               cfg.eval_batches)
-    nll, count = parallel.all_reduce_sum([nll, count], d.device)
-    # A capped evaluation scores a prefix: its bytes are taken in proportion to the tokens scored.
-    scored_bytes = n_bytes * count / (len(tokens) - 1)
-    return {"val_loss": nll / max(count, 1), "val_bpb": bpb.bits_per_byte(nll, scored_bytes),
-            "val_tokens": int(count)}
+def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, cfg: TrainConfig, d, log, step: int) -> dict:
+    """Val loss and bits per byte: bytes are those of exactly the targets scored (see bpb.py)."""
+    cap = cfg.eval_batches * cfg.micro_batch if cfg.eval_batches else None
+    shares = bpb.total_nll(model, tokens, cfg.seq_len, cfg.micro_batch, d.device, d.rank, d.world_size, cap,
+                           token_bytes, ticker(log, "eval_progress", step=step))
+    nll, count, n_bytes = parallel.all_reduce_sum(list(shares), d.device)
+    return {"val_loss": nll / max(count, 1), "val_bpb": bpb.bits_per_byte(nll, n_bytes), "val_tokens": int(count),
+            "val_bytes": int(n_bytes), "window": cfg.seq_len}
 
 
 def eval_only(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     need_dir(cfg.base_model, "--base-model", "the model to evaluate")
-    if not cfg.tokenizer:
-        raise UsageError("--eval-only needs --tokenizer (the model's own tokenizer)")
-    tok = load_tokenizer(cfg.tokenizer)
-    tokens, n_bytes = eval_tokens(cfg, tok)
+    tok = load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "the model's own tokenizer"))
+    check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
     vocab = read_config(cfg.base_model).vocab_size
     if tok.get_vocab_size(with_added_tokens=True) > vocab:
         raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but {cfg.base_model} "
                          f"only {vocab} embedding rows: is --tokenizer the model's own?")
     cfg.phase, cfg.base_tokenizer = 2, None  # evaluate the model as it is: no vocabulary transfer
     model = build(cfg, d, vocab, log)
-    log.log("eval", step=0, **evaluate(model, tokens, n_bytes, cfg, d), bytes=n_bytes)
+    log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), token_byte_lengths(tok), cfg, d, log, 0))
 
 
 # ---------------------------------------------------------------- training
 
-def main(argv=None) -> None:
+
+def train_step(model, optimizer, stream: BatchStream, step: int, params: list, cfg: TrainConfig, d):
+    """Forward and backward over this rank's micro-batches of `step`; returns (mean loss here, grad norm)."""
+    set_lr(optimizer, cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    loss_sum = torch.zeros((), device=d.device)
+    for x, y in stream.micro_batches(step, d.device):
+        loss = model(x, targets=y) / stream.accum_steps
+        loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+    return float(loss_sum), float(parallel.full_tensor(grad_norm))
+
+
+def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
+    tok = load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
+    index = load_index(need_dir(cfg.data, "--data", "token shards, from tokenize.py encode"))
+    n_tok = tok.get_vocab_size(with_added_tokens=True)
+    check_tokenizer(index, tokenizer_hash(cfg.tokenizer), n_tok)
+    check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
+    stream = BatchStream(TokenStream(cfg.data, "train"), cfg.seq_len, cfg.global_batch, cfg.micro_batch,
+                         d.rank, d.world_size, cfg.seed)
+    val_tokens, token_bytes = eval_tokens(cfg, tok), token_byte_lengths(tok)
+    model = build(cfg, d, embedding_rows(cfg, n_tok), log, tok)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, d.device.type == "cuda")
+    log.log("config", **dataclasses.asdict(cfg))
+    log.log("model", params=model.config.num_params(), trainable=sum(p.numel() for p in params),
+            world=d.world_size, micro_batch=cfg.micro_batch, accum=stream.accum_steps,
+            tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, device=d.device.type)
+    # What a checkpoint must agree on to be continued, and what may change (with a warning).
+    must = {"model": model.config.to_dict(), "phase": cfg.phase, "base_model": fingerprint(cfg.base_model),
+            "data": hashlib.sha256(open(os.path.join(cfg.data, "index.json"), "rb").read()).hexdigest(),
+            "tokenizer": tokenizer_hash(cfg.tokenizer)}
+    may = {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
+    ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
+    ckpt = Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
+    start = resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)[0] if cfg.resume == "auto" else 0
+    if start:
+        log.log("resume", **{"from": os.path.join(ckpt_dir, f"step-{start:08d}")}, step=start)
+    else:
+        log.log("eval", step=0, **evaluate(model, val_tokens, token_bytes, cfg, d, log, 0))
+    stop = sigterm_flag()
+    meter = Progress(cfg.steps, start, every=cfg.log_every)
+    last_save, pending = time.monotonic(), None  # pending: the step whose checkpoint is still being written
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(model, optimizer, stream, step, params, cfg, d)
+        # One all-reduce carries the loss and three flags, so every rank decides alike after this step: a SIGTERM
+        # that reached only some ranks, rank 0's checkpoint clock, and how many ranks are still writing one.
+        clock = d.is_main and 0 < cfg.checkpoint_minutes * 60 <= time.monotonic() - last_save
+        loss, stopping, clock, writing = parallel.all_reduce_sum(
+            [loss, float(stop[0] is not None), float(clock), float(not ckpt.pending_done())], d.device)
+        loss /= d.world_size
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # all ranks see the same reduced values
+            ckpt.close()  # a checkpoint still being written is finished first: it is the last good one
+            raise FloatingPointError(f"loss {loss} / grad norm {grad_norm} at step {step + 1}: stopped before the "
+                                     f"update; last good checkpoint: {latest_checkpoint(ckpt_dir) or 'none'}")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        if pending and not writing:  # every rank has finished writing it: rename it into place, point `latest`
+            log.log("checkpoint", step=pending, dir=ckpt.finalize())
+            pending = None
+        meter.add(time.perf_counter() - t0, loss=loss)
+        if meter.due(done):
+            window = meter.flush(done)
+            log.log("train", step=done, loss=window["loss"], lr=optimizer.param_groups[0]["lr"],
+                    grad_norm=round(grad_norm, 4), **throughput(cfg, model, d, window["steps_per_s"]),
+                    eta=window["eta"])
+        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+            log.log("eval", step=done, **evaluate(model, val_tokens, token_bytes, cfg, d, log, done))
+        if stopping or clock or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            ckpt.save(done, model, optimizer, {**must, **may})
+            last_save, pending = time.monotonic(), done
+        if stopping:
+            log.log("checkpoint", step=done, dir=ckpt.finalize())
+            log.info(f"stopped by signal {stop[0] or int(signal.SIGTERM)} at step {done}; resume with --resume auto")
+            return ckpt.close()
+    if pending:
+        log.log("checkpoint", step=pending, dir=ckpt.finalize())
+    ckpt.close()
+    export(model, cfg, tok, d, log)
+
+
+def sigterm_flag() -> list:
+    """SIGTERM (a spot interruption under plain torchrun) sets flag[0]: checkpoint after this step and exit."""
+    flag = [None]
+    signal.signal(signal.SIGTERM, lambda signum, frame: flag.__setitem__(0, signum))
+    return flag
+
+
+def throughput(cfg: TrainConfig, model, d, steps_per_s: float) -> dict:
+    """tokens/s over the training steps since the last line (evals and checkpoints excluded), MFU, peak memory."""
+    tps = cfg.global_batch * cfg.seq_len * steps_per_s
+    cuda = d.device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mfu = 100 * model.config.flops_per_token(cfg.seq_len) * tps / d.world_size / PEAK_FLOPS if cuda else None
+    return {"tokens_per_s": round(tps), "tokens_per_s_per_gpu": round(tps / d.world_size, 1),
+            "mfu": round(mfu, 2) if mfu is not None else None, "peak_mem_gib": round(peak, 2)}
+
+
+def export(model, cfg: TrainConfig, tok, d: parallel.Dist, log: MetricLogger) -> None:
+    """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
+    save_pretrained(model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main,
+                    token_ids={"bos_id": tok.token_to_id(BOS), "eos_id": eos_id(tok)})
+    if d.is_main:
+        copy_tokenizer_files(cfg.tokenizer, cfg.out)
+    log.log("export", dir=cfg.out, dtype=cfg.export_dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     d = parallel.setup(cfg.device)
     log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=d.is_main)
     try:
-        if cfg.eval_only:
-            return eval_only(cfg, d, log)
-        train(cfg, d, log)
+        eval_only(cfg, d, log) if cfg.eval_only else train(cfg, d, log)
     finally:
         log.close()
         parallel.teardown()
 
 
-def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
-    cuda = d.device.type == "cuda"
-    tok_dir = need_dir(cfg.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train")
-    data_dir = need_dir(cfg.data, "--data", "token shards, from tokenize.py encode")
-    tok = load_tokenizer(tok_dir)
-    n_tok = tok.get_vocab_size(with_added_tokens=True)
-    check_tokenizer(load_index(data_dir), tokenizer_hash(tok_dir), n_tok)
-    if cfg.base_model and not cfg.base_tokenizer:  # the model already speaks this tokenizer (phase 2)
-        vocab = read_config(need_dir(cfg.base_model, "--base-model", "a Hugging Face model directory")).vocab_size
-        if vocab < n_tok:
-            raise UsageError(f"the tokenizer has {n_tok} ids but {cfg.base_model} only {vocab} embedding rows: "
-                             f"pass --base-tokenizer to transfer the vocabulary (phase 1)")
-    else:
-        vocab = math.ceil(n_tok / 64) * 64  # new embedding rows: pad to a GPU-friendly multiple
-    train_stream = BatchStream(TokenStream(data_dir, "train"), cfg.seq_len, cfg.global_batch, cfg.micro_batch,
-                               d.rank, d.world_size, cfg.seed)
-    val_tokens, val_bytes = eval_tokens(cfg, tok)
-
-    model = build(cfg, d, vocab, log, tok)
-    mcfg = model.config
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer = make_optimizer(model, cfg, cuda)
-    log.info(f"config phase={cfg.phase} params={mcfg.num_params()} trainable={n_train} world={d.world_size} "
-             f"accum={train_stream.accum_steps} tokens_per_step={cfg.global_batch * cfg.seq_len} "
-             f"ops={model.ops.name} device={d.device.type}")
-
-    ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
-    start = 0
-    resume_from = latest_checkpoint(ckpt_dir) if cfg.resume == "auto" else None
-    if resume_from:
-        # Checked before loading: DCP would fail on the first mismatched tensor with a traceback.
-        with open(os.path.join(resume_from, "train_state.json")) as fh:
-            saved = json.load(fh)
-        saved_model = saved.get("model")
-        changed = [k for k in ("seed", "global_batch", "seq_len") if k in saved and saved[k] != getattr(cfg, k)]
-        if changed:  # allowed (a deliberate change), but the data order then differs from the saved run's
-            diff = ", ".join(f"{k}={saved[k]}->{getattr(cfg, k)}" for k in changed)
-            log.info(f"warning: resuming with changed {diff}: the batches differ from those the saved run would see")
-        if saved_model != mcfg.to_dict():
-            raise UsageError(f"{resume_from}: checkpoint is of another model shape; use --resume never "
-                             f"or another --checkpoint-dir")
-        state = load_train_checkpoint(resume_from, model, optimizer, d.rank)
-        start = state["step"]
-        log.info(f"resume from={resume_from} step={start}")
-
-    stop = {"signal": None}  # SIGTERM (a spot interruption) checkpoints after the current step and exits
-
-    def on_term(signum, frame):
-        stop["signal"] = signum
-    signal.signal(signal.SIGTERM, on_term)
-
-    def checkpoint(step: int):
-        save_train_checkpoint(ckpt_dir, step, model, optimizer,
-                              {"model": mcfg.to_dict(), "phase": cfg.phase, "seed": cfg.seed,
-                               "global_batch": cfg.global_batch, "seq_len": cfg.seq_len},
-                              d.rank, d.local_rank, cfg.keep_checkpoints)
-        log.info(f"checkpoint step={step} dir={ckpt_dir}")
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    flops_tok = mcfg.flops_per_token(cfg.seq_len)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
-    # tokens/s and ETA count training steps only (not evals or checkpoints)
-    t_train, t_window, loss_acc, n_acc = 0.0, 0.0, 0.0, 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    model.train()
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        step_loss = torch.zeros((), device=d.device)
-        for x, y in train_stream.micro_batches(step, d.device):
-            loss = model(x, targets=y) / train_stream.accum_steps
-            loss.backward()
-            step_loss += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        # The stop flag rides on the loss all-reduce, so a signal that reached only some ranks stops them all
-        # after this same step (a rank alone in the checkpoint's collectives would hang the job).
-        step_loss, stopping = parallel.all_reduce_sum([float(step_loss), float(stop["signal"] is not None)], d.device)
-        step_loss /= d.world_size
-        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
-            last = latest_checkpoint(ckpt_dir)
-            raise FloatingPointError(f"loss {step_loss} / grad norm {float(grad_norm)} at step {step + 1}: stopped "
-                                     f"before the update; last good checkpoint: {last or 'none'}")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0  # the loss all-reduce above synchronises the GPU
-        t_train, t_window = t_train + dt, t_window + dt
-        loss_acc, n_acc = loss_acc + step_loss, n_acc + 1
-        done = step + 1
-
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            tps = tokens_per_step * n_acc / t_window
-            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            log.log("train", step=done, loss=loss_acc / n_acc, lr=lr, grad_norm=round(float(grad_norm), 4),
-                    tokens_per_s=round(tps), tokens_per_s_per_gpu=round(tps / d.world_size, 1),
-                    mfu=round(100 * flops_tok * tps / d.world_size / PEAK_FLOPS, 2) if cuda else None,
-                    peak_mem_gib=round(peak, 2), eta=eta(done - start, cfg.steps - start, t_train))
-            t_window, loss_acc, n_acc = 0.0, 0.0, 0
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            log.log("eval", step=done, **evaluate(model, val_tokens, val_bytes, cfg, d))
-        saved = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
-        if saved:
-            checkpoint(done)
-        if stopping:
-            if not saved:
-                checkpoint(done)
-            log.info(f"stopped by signal {stop['signal'] or int(signal.SIGTERM)} at step {done}; "
-                     f"resume with --resume auto")
-            return
-
-    eos = eos_id_of(tok)
-    save_pretrained(model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main,
-                    token_ids={"bos_id": tok.token_to_id("<|begin_of_text|>"), "eos_id": eos})
-    if d.is_main:
-        copy_tokenizer_files(tok_dir, cfg.out)
-    log.info(f"export dir={cfg.out} dtype={cfg.export_dtype}")
-
-
 if __name__ == "__main__":
     try:
         main()
-    except (UsageError, CheckpointError, FileNotFoundError, ValueError, FloatingPointError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+    except (UsageError, CheckpointError, FileNotFoundError, ValueError, FloatingPointError, OSError) as e:
+        print_error("train.py", e)
         sys.exit(2)

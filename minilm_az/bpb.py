@@ -3,6 +3,10 @@
 BPB = (total NLL in nats) / (ln 2 * UTF-8 bytes of the text). Two models with different tokenizers
 are compared on the same bytes: the stream scored is EOS, doc 1, EOS, doc 2, EOS, ... and every
 document token and its closing EOS is predicted once (the leading EOS gives the first token a context).
+
+The convention: the text is NFC-normalised once, and that string is both encoded and counted; EOS is
+scored but stands for 0 bytes; the line breaks between documents are not counted. BPB depends on the
+window length (`seq_len`): a longer window gives each token more context, so compare at equal windows.
 """
 
 from __future__ import annotations
@@ -47,27 +51,34 @@ def doc_stream(docs: Iterable[list[int]], eos_id: int) -> np.ndarray:
 
 @torch.no_grad()
 def total_nll(model, tokens: np.ndarray, seq_len: int, micro_batch: int, device, rank: int = 0,
-              world_size: int = 1, max_batches: int | None = None) -> tuple[float, int]:
-    """Summed NLL (nats) and number of predicted tokens over this rank's share of the windows.
+              world_size: int = 1, max_windows: int | None = None, token_bytes: np.ndarray | None = None,
+              progress=None) -> tuple[float, int, int]:
+    """Summed NLL (nats), predicted tokens and their UTF-8 bytes over this rank's share of the windows.
 
-    Every rank runs the same number of forwards (a sharded model needs all ranks in each one); ranks
-    short of windows run all-IGNORE padding batches. Sum the results over ranks.
+    `max_windows` caps the windows scored, counted over all ranks, so a capped evaluation scores the same
+    tokens on any number of processes; `token_bytes` (bytes per id) counts the exact bytes of the scored
+    targets, which is what a capped evaluation must divide by. Every rank runs the same number of forwards
+    (a sharded model needs all ranks in each one); ranks short of windows run all-IGNORE padding batches.
+    Sum the results over ranks. `progress(done, total)` is called after each batch.
     """
-    ws = list(windows(tokens, seq_len))
+    ws = list(windows(tokens, seq_len))[:max_windows]
     per_batch = micro_batch * world_size
     n_batches = math.ceil(len(ws) / per_batch)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    nll, count = 0.0, 0
+    nll, count, n_bytes = 0.0, 0, 0
     pad = (np.zeros(seq_len, dtype=np.int64), np.full(seq_len, IGNORE, dtype=np.int64))
     was_training = model.training
     model.eval()
     for b in range(n_batches):
         lo = b * per_batch + rank * micro_batch
         mine = [ws[i] if i < len(ws) else pad for i in range(lo, lo + micro_batch)]
+        y_np = np.stack([m[1] for m in mine])
         x = torch.from_numpy(np.stack([m[0] for m in mine])).to(device)
-        y = torch.from_numpy(np.stack([m[1] for m in mine])).to(device)
+        y = torch.from_numpy(y_np).to(device)
         nll += float(model(x, targets=y, reduction="sum"))
-        count += int((y != IGNORE).sum())
+        count += int((y_np != IGNORE).sum())
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[y_np[y_np != IGNORE]].sum())
+        if progress is not None:
+            progress(b + 1, n_batches)
     model.train(was_training)
-    return nll, count
+    return nll, count, n_bytes

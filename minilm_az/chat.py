@@ -18,6 +18,7 @@ A data file is JSONL, one `{"messages": [{"role": ..., "content": ...}, ...]}` a
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -125,39 +126,30 @@ def encode_prompt(messages, tokenizer: Tokenizer) -> list[int]:
     return _render(checked, tokenizer, add_generation_prompt=True)[0]
 
 
-def render_text(messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as template text (what apply_chat_template renders before tokenising)."""
-    s = BOS + "".join(f"{START_HEADER}{m['role']}{END_HEADER}\n\n{m['content']}{EOT}" for m in messages)
-    return s + (f"{START_HEADER}assistant{END_HEADER}\n\n" if add_generation_prompt else "")
-
-
 # ---------------------------------------------------------------- JSONL files
 
 def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dict]], list[str]]:
     """Conversations of a chat JSONL file, and the problems of the lines skipped (`on_bad_line="skip"`).
 
     With "fail" the first bad line raises ChatFormatError naming the file and line. Blank lines are ignored.
+    Lines are decoded one by one, so invalid UTF-8 is reported on its own line (and can be skipped).
     """
     if on_bad_line not in ("fail", "skip"):
         raise ValueError(f"on_bad_line must be 'fail' or 'skip', got {on_bad_line!r}")
     convs, skipped = [], []
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"chat data not found: {path}") from None
     with fh:
-        lineno = 0
-        while True:
-            lineno += 1
+        for lineno, raw in enumerate(fh, 1):
             try:
-                line = fh.readline()
-            except UnicodeDecodeError as e:
-                raise ChatFormatError(f"{path}:{lineno}: not valid UTF-8 ({e.reason})") from None
-            if not line:
-                break
-            if not line.strip():
-                continue
-            try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ChatFormatError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+                if not line.strip():
+                    continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -172,4 +164,43 @@ def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dic
                 skipped.append(msg)
     if not convs:
         raise ChatFormatError(f"{path}: no usable conversations" + (f" ({len(skipped)} bad lines)" if skipped else ""))
+    return convs, skipped
+
+
+def is_val_file(name: str) -> bool:
+    stem = os.path.basename(name).removesuffix(".jsonl")
+    return stem.startswith(("val", "valid")) or stem.endswith(("_val", "_valid", "-val"))
+
+
+def chat_files(data: str, val_data: str | None) -> tuple[list[str], list[str]]:
+    """Train and val JSONL files. A --data directory: `val*.jsonl` / `*_val.jsonl` validate, `train*.jsonl`
+    (or, without any, every other `*.jsonl`) train. A --val-data directory: all its `*.jsonl` validate."""
+    def listing(d: str) -> list[str]:
+        return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))
+
+    if not os.path.exists(data):
+        raise FileNotFoundError(f"chat data not found: {data}")
+    if os.path.isdir(data):
+        names = listing(data)
+        val = [f for f in names if is_val_file(f)]
+        train = [f for f in names if os.path.basename(f).startswith("train")] or [f for f in names if f not in val]
+        if not train:
+            raise FileNotFoundError(f"no training .jsonl files in {data} (expected train*.jsonl or *.jsonl)")
+    else:
+        train, val = [data], []
+    if val_data:
+        if not os.path.exists(val_data):
+            raise FileNotFoundError(f"val data not found: {val_data}")
+        val = listing(val_data) if os.path.isdir(val_data) else [val_data]
+        if not val:
+            raise FileNotFoundError(f"no .jsonl files in {val_data}")
+    return train, val
+
+
+def read_chat_files(files: list[str], on_bad_line: str) -> tuple[list[list[dict]], list[str]]:
+    convs, skipped = [], []
+    for f in files:
+        c, s = read_chat_jsonl(f, on_bad_line)
+        convs += c
+        skipped += s
     return convs, skipped

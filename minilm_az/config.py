@@ -1,7 +1,11 @@
-"""Run configs as dataclasses (the published recipe as defaults) and the one way flags are made from them.
+"""Every stage's settings as a dataclass (the published recipe as defaults), and the one way flags are made.
 
-Each field becomes a `--flag-name`; its `help` metadata is the flag's help. Booleans take `--x`, `--no-x`
-and SageMaker's `--x true` / `--x "false"`; an int or float field whose default is None accepts "none".
+Each field becomes a `--flag-name` with its `help`; booleans take `--x`, `--no-x` and `--x true|false` (what
+SageMaker's toolkit passes). A field's metadata also states the SageMaker contract, in one table:
+`channel` names the input channel mounted at /opt/ml/input/data/<channel> that feeds it, `container` the
+fixed container path an output goes to. The launcher (sagemaker.py) reads the same metadata, so a job's
+command line names every path explicitly; the scripts also fall back to SM_CHANNEL_<CHANNEL> / SM_MODEL_DIR
+for a user's own estimator. `lo`/`hi` bound numbers; all checks happen in the parser, before any work.
 """
 
 from __future__ import annotations
@@ -9,8 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+CONTAINER_INPUT = "/opt/ml/input/data"  # fixed by SageMaker
+CONTAINER_MODEL = "/opt/ml/model"
+CONTAINER_CHECKPOINTS = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath; SageMaker syncs it with S3
 
 # The recipe (a Llama 3.2 1B, Azerbaijani CPT): phase 1 trains embeddings only, phase 2 everything.
 PHASE_DEFAULTS: dict[int, dict[str, Any]] = {
@@ -19,61 +28,167 @@ PHASE_DEFAULTS: dict[int, dict[str, Any]] = {
 }
 
 
-def _f(default: Any, help: str, **kw) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+def _f(default: Any, help: str, **meta) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
 
 
-def env_default(*names: str) -> str | None:
-    """The first set environment variable among `names` (SageMaker's SM_CHANNEL_* and friends)."""
-    for n in names:
-        if os.environ.get(n):
-            return os.environ[n]
-    return None
-
-
-def in_sagemaker() -> bool:
-    return "SM_MODEL_DIR" in os.environ or "SM_TRAINING_ENV" in os.environ
+# ---------------------------------------------------------------- train.py
 
 
 @dataclass
 class TrainConfig:
     phase: int = _f(2, "1: train embeddings only (new vocabulary adapts); 2: train everything", choices=(1, 2))
-    preset: str = _f("tiny", "model shape when there is no --base-model (tiny, llama3.2-1b)")
-    base_model: str | None = _f(None, "Hugging Face model dir to start from (SM_CHANNEL_BASE_MODEL)")
-    base_tokenizer: str | None = _f(None, "the base model's tokenizer dir, for vocabulary transfer in phase 1")
-    tokenizer: str | None = _f(None, "our tokenizer dir (tokenize.py train) (SM_CHANNEL_TOKENIZER)")
-    data: str | None = _f(None, "token shards dir (tokenize.py encode) (SM_CHANNEL_DATA)")
-    out: str | None = _f(None, "where the final HF-format model and metrics.jsonl go (SM_MODEL_DIR)")
-    checkpoint_dir: str | None = _f(None, "training checkpoints (default /opt/ml/checkpoints on SageMaker, "
-                                          "else OUT/checkpoints)")
+    preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
+    base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
+    base_tokenizer: str | None = _f(None, "the base model's tokenizer dir (phase 1: vocabulary transfer)",
+                                    channel="base_tokenizer")
+    tokenizer: str | None = _f(None, "our tokenizer dir (tokenize.py train)", channel="tokenizer")
+    data: str | None = _f(None, "token shards dir (tokenize.py encode)", channel="data")
+    out: str | None = _f(None, "final HF-format model and metrics.jsonl (default runs/phaseN)",
+                         container=CONTAINER_MODEL)
+    checkpoint_dir: str | None = _f(None, "training checkpoints (default OUT/checkpoints)",
+                                    container=CONTAINER_CHECKPOINTS)
     resume: str = _f("auto", "auto: continue from the newest complete checkpoint; never: start fresh",
                      choices=("auto", "never"))
-    steps: int | None = _f(None, "optimizer steps (default: phase 1 5000, phase 2 15000)")
-    lr: float | None = _f(None, "peak learning rate (default: phase 1 0.0032, phase 2 0.0024)")
-    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this")
-    warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    grad_clip: float = _f(1.0, "max global grad norm (0 disables)")
-    seq_len: int = _f(2048, "tokens per sequence")
-    micro_batch: int = _f(14, "sequences per GPU per forward")
-    global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)")
-    eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)")
-    eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)")
-    log_every: int = _f(10, "print a metrics line every N steps")
-    checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)")
-    keep_checkpoints: int = _f(2, "complete checkpoints to keep")
+    steps: int | None = _f(None, "optimizer steps (default: phase 1 5000, phase 2 15000)", lo=1)
+    lr: float | None = _f(None, "peak learning rate (default: phase 1 0.0032, phase 2 0.0024)", lo=0.0)
+    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
+    warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)", lo=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", lo=0.0, hi=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", lo=0.0, hi=1.0)
+    grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
+    seq_len: int | None = _f(None, "tokens per sequence (default: 2048, or the model's context if shorter)", lo=2)
+    micro_batch: int | None = _f(None, "sequences per GPU per forward (default: the largest <= 14 that divides "
+                                       "the global batch's share of each GPU)", lo=1)
+    global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)", lo=1)
+    eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0)
+    eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)",
+                                  lo=1)
+    log_every: int = _f(10, "print a metrics line every N steps", lo=1)
+    checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)", lo=0)
+    checkpoint_minutes: float | None = _f(None, "also checkpoint every N minutes of wall time "
+                                                "(default 30 on SageMaker, where SIGTERM never reaches us)", lo=0.0)
+    async_checkpoint: bool = _f(True, "write checkpoints in the background (training waits only for the copy "
+                                      "off the GPU)")
+    keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
     eval_only: bool = _f(False, "only evaluate BPB of --base-model with --tokenizer on --eval-text or val split")
     eval_text: list[str] | None = _f(None, "raw text files for BPB (default: the val split's documents)",
                                      nargs="+")
-    device: str = _f("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+    device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "seed for init and the data order")
     liger: bool = _f(True, "Liger fused kernels on CUDA (RMSNorm, RoPE, SwiGLU, fused linear CE)")
     compile: bool = _f(False, "torch.compile each transformer block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
     export_dtype: str = _f("float32", "dtype of the exported safetensors (bfloat16 halves the size)",
                            choices=("float32", "bfloat16"))
+
+
+# ---------------------------------------------------------------- finetune.py
+
+
+@dataclass
+class FinetuneConfig:
+    model: str | None = _f(None, "HF-format Llama directory (the CPT export)", channel="model")
+    tokenizer: str | None = _f(None, "directory with tokenizer.json (default: --model)", channel="tokenizer")
+    data: str | None = _f(None, "chat JSONL file, or a directory: train*.jsonl / *.jsonl train, val*.jsonl / "
+                                "*_val.jsonl validate", channel="data")
+    val_data: str | None = _f(None, "val chat JSONL file or directory of them (default: val files in --data, "
+                                    "else a --val-fraction split)", channel="val_data")
+    val_fraction: float = _f(0.05, "held out of --data when there is no val file", lo=0.0, hi=0.5)
+    out: str = _f("runs/finetune", "adapter (and merged/) here", container=CONTAINER_MODEL)
+    on_bad_line: str = _f("fail", "malformed JSONL lines", choices=("fail", "skip"))
+    last_turn_only: bool = _f(False, "train only the final assistant turn of each conversation")
+    lora_r: int = _f(64, "LoRA rank", lo=1)
+    lora_alpha: float = _f(28.0, "LoRA scaling = alpha / r", lo=0.0)
+    lora_dropout: float = _f(0.05, "dropout on the adapter's input", lo=0.0, hi=0.99)
+    targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated projections")
+    max_seq_len: int = _f(1024, "tokens per conversation (longer ones are truncated)", lo=2)
+    steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
+    epochs: float = _f(1.0, "passes over the data when --steps is not given", lo=0.0)
+    lr: float = _f(2e-4, "peak learning rate", lo=0.0)
+    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
+    warmup: int = _f(10, "linear warm-up steps", lo=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", lo=0.0)
+    grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
+    micro_batch: int | None = _f(None, "conversations per forward, per process (default: the largest <= 4 that "
+                                       "divides each process's share of --global-batch)", lo=1)
+    global_batch: int = _f(16, "conversations per step, all processes", lo=1)
+    eval_every: int = _f(50, "val loss every N steps", lo=1)
+    log_every: int = _f(10, "print a metrics line every N steps", lo=1)
+    seed: int = _f(0, "seed for the adapter init, dropout and the data order")
+    merge: bool = _f(False, "also export base+adapter merged, as a HF model in OUT/merged")
+    device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
+    liger: bool = _f(True, "Liger's fused kernels on CUDA")
+    compile: bool = _f(False, "torch.compile each block")
+    ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
+    chat: bool = _f(False, "no training: interactive chat on stdin with --model (+ --adapter)")
+    prompt: str | None = _f(None, "no training: one user message, print the reply and exit")
+    adapter: str | None = _f(None, "adapter dir for --chat/--prompt")
+    system: str | None = _f(None, "system prompt for --chat/--prompt")
+    max_new_tokens: int = _f(256, "reply length cap for --chat/--prompt", lo=1)
+    temperature: float = _f(0.7, "sampling temperature (0: greedy)", lo=0.0)
+    top_p: float = _f(0.9, "nucleus sampling mass", lo=1e-9, hi=1.0)
+
+
+# ---------------------------------------------------------------- tokenize.py (one config per subcommand)
+
+
+@dataclass
+class CorpusConfig:
+    corpus: list[str] | None = _f(None, ".txt/.jsonl files (or .gz of them), dirs (default: the demo corpus)",
+                                  nargs="+", channel="corpus")
+    doc_sep: str = _f("line", ".txt: a document a line, or blank-line separated", choices=("line", "blank"))
+    text_field: str = _f("text", ".jsonl field holding the text")
+    errors: str = _f("strict", "invalid UTF-8: fail, or replace with U+FFFD", choices=("strict", "replace"))
+    progress: bool = _f(True, "progress bars")
+
+
+@dataclass
+class TokenizeTrainConfig(CorpusConfig):
+    vocab_size: int = _f(100_000, "ids incl. bytes and specials", lo=272)
+    min_frequency: int = _f(2, "least count of a pair to merge", lo=1)
+    max_token_length: int | None = _f(None, "longest token in characters (default: no limit)", lo=1)
+    model_max_length: int | None = _f(None, "model_max_length in tokenizer_config.json", lo=1)
+    out: str | None = _f(None, "tokenizer directory to write", container=CONTAINER_MODEL)
+    overwrite: bool = _f(False, "replace an existing tokenizer directory (only one this command wrote)")
+
+
+@dataclass
+class TokenizeReportConfig(CorpusConfig):
+    tokenizer: str | None = _f(None, "our tokenizer dir (or tokenizer.json)", channel="tokenizer")
+    baseline: str | None = _f(None, "a baseline tokenizer.json or the dir holding it (the base model's)",
+                              channel="baseline")
+    json: str | None = _f(None, "write the JSON report to this file instead of printing it",
+                          container=f"{CONTAINER_MODEL}/report.json")
+    overwrite: bool = _f(False, "replace an existing --json file")
+
+
+@dataclass
+class TokenizeEncodeConfig(CorpusConfig):
+    tokenizer: str | None = _f(None, "tokenizer dir (or tokenizer.json)", channel="tokenizer")
+    val_corpus: list[str] | None = _f(None, "a separate val corpus (then --val-fraction is unused)", nargs="+",
+                                      channel="val_corpus")
+    val_fraction: float = _f(0.01, "val share of documents, by text hash", lo=0.0, hi=0.5)
+    shard_tokens: int = _f(100_000_000, "tokens per .bin file", lo=1024)
+    batch_mb: int | None = _f(None, "MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4)",
+                              lo=1)
+    out: str | None = _f(None, "shard directory to write", container=CONTAINER_MODEL)
+    overwrite: bool = _f(False, "replace an existing shard directory (only one this command wrote)")
+
+
+TOKENIZE_CONFIGS = {"train": TokenizeTrainConfig, "report": TokenizeReportConfig, "encode": TokenizeEncodeConfig}
+
+
+# ---------------------------------------------------------------- flags from dataclasses
+
+
+def in_sagemaker() -> bool:
+    return "SM_MODEL_DIR" in os.environ or "SM_TRAINING_ENV" in os.environ
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def str2bool(v: str | bool) -> bool:
@@ -90,28 +205,133 @@ def str2bool(v: str | bool) -> bool:
 def _none_or(t):
     def parse(v: str):
         return None if str(v).lower() in ("none", "null", "") else t(v)
+
     parse.__name__ = t.__name__
     return parse
 
 
+def is_bool(f: dataclasses.Field) -> bool:
+    return f.type in ("bool", bool)
+
+
+def channels(cls) -> dict[str, str]:
+    """SageMaker channel -> the field it feeds."""
+    return {f.metadata["channel"]: f.name for f in dataclasses.fields(cls) if "channel" in f.metadata}
+
+
+def container_paths(cls) -> dict[str, str]:
+    """Output field -> its fixed container path (/opt/ml/model, /opt/ml/checkpoints)."""
+    return {f.name: f.metadata["container"] for f in dataclasses.fields(cls) if "container" in f.metadata}
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are printed by one process only (torchrun starts one per GPU)."""
+
+    def error(self, message: str):
+        """One line, not argparse's usage block: the flag and what is wrong with it."""
+        if os.environ.get("RANK", "0") in ("", "0"):
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        self.exit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's help (but not "None"), examples in the epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
-    """One `--flag` per dataclass field, typed from the field's default."""
+    """One `--flag` per dataclass field, typed from the field's annotation, defaults shown in --help."""
     for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        help_ = meta.pop("help", None)
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, nargs="?", const=True, default=f.default, type=str2bool, help=help_,
-                                metavar="BOOL")
-            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                help=argparse.SUPPRESS)
+        meta = {k: v for k, v in f.metadata.items() if k in ("choices", "nargs")}
+        help_ = f.metadata.get("help", "")
+        if "channel" in f.metadata:
+            help_ += f" [SageMaker channel {f.metadata['channel']!r}]"
+        if is_bool(f):  # `--x true|false` is rewritten to `--x` / `--no-x` by normalize_bools
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help_)
             continue
         base = str(f.type).split("|")[0].strip()
         typ = {"int": int, "float": float, "str": str, "list[str]": str}.get(base, str)
         if "None" in str(f.type) and typ is not str:
             typ = _none_or(typ)
-        parser.add_argument(flag, default=f.default, type=typ, help=help_, **meta)
+        parser.add_argument(flag(f.name), default=f.default, type=typ, help=help_,
+                            metavar=f.name.upper() if "choices" not in meta else None, **meta)
 
 
-def from_args(cls, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+def normalize_bools(argv: list[str], cls) -> list[str]:
+    """`--x true`, `--x=False` (SageMaker's form) -> `--x` / `--no-x`, for the boolean fields of `cls`."""
+    names = {flag(f.name) for f in dataclasses.fields(cls) if is_bool(f)}
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        key, eq, val = tok.partition("=")
+        if key in names:
+            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val, eq = argv[i + 1], "="
+                i += 1
+            if eq:
+                try:
+                    tok = key if str2bool(val) else "--no-" + key[2:]
+                except argparse.ArgumentTypeError:
+                    tok = f"{key}={val}"  # argparse rejects it with the flag named
+        out.append(tok)
+        i += 1
+    return out
+
+
+def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
+    for f in dataclasses.fields(cfg):
+        v, lo, hi = getattr(cfg, f.name), f.metadata.get("lo"), f.metadata.get("hi")
+        if v is None or isinstance(v, (bool, list, str)):
+            continue
+        if lo is not None and v < lo:
+            parser.error(f"{flag(f.name)} must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            parser.error(f"{flag(f.name)} must be <= {hi}, got {v}")
+
+
+def sm_defaults(cfg) -> None:
+    """Paths not given on the command line: SM_CHANNEL_<CHANNEL> and SM_MODEL_DIR, as a container sets them."""
+    for f in dataclasses.fields(cfg):
+        if getattr(cfg, f.name) not in (None, f.default):
+            continue
+        ch = f.metadata.get("channel")
+        value = os.environ.get(f"SM_CHANNEL_{ch.upper()}") if ch else None
+        if f.metadata.get("container") == CONTAINER_MODEL:
+            value = os.environ.get("SM_MODEL_DIR")
+        elif f.metadata.get("container") == CONTAINER_CHECKPOINTS and in_sagemaker():
+            value = CONTAINER_CHECKPOINTS
+        if value:
+            setattr(cfg, f.name, [value] if f.metadata.get("nargs") else value)
+
+
+def make_parser(cls, prog: str, doc: str) -> Parser:
+    """The parser of one stage: description = the docstring's first paragraph, epilog = its examples."""
+    head, _, rest = doc.strip().partition("\n\n")
+    p = Parser(prog=prog, description=head, epilog=rest.split("\n\n")[0], formatter_class=HelpFormatter,
+               allow_abbrev=False)
+    add_dataclass_args(p, cls)
+    return p
+
+
+def parse_config(cls, parser: argparse.ArgumentParser, argv: list[str] | None = None):
+    """argv -> a `cls` instance: SageMaker booleans normalised, bounds checked, container defaults filled."""
+    argv = normalize_bools(list(sys.argv[1:] if argv is None else argv), cls)
+    ns = parser.parse_args(argv)
+    cfg = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    check_bounds(parser, cfg)
+    sm_defaults(cfg)
+    return cfg
+
+
+class _Raising(Parser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def check_args(cls, argv: list[str]) -> None:
+    """Parse `argv` as the stage's script would (flags, types, choices, bounds); ValueError on the first problem."""
+    p = _Raising(prog=cls.__name__, allow_abbrev=False)
+    add_dataclass_args(p, cls)
+    parse_config(cls, p, argv)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TextIO
+
 import torch
 from tokenizers import Tokenizer
 
@@ -72,3 +74,30 @@ def generate(model: Llama, tok: Tokenizer, messages: list[dict], max_new_tokens:
     finally:
         model.train(was_training)
     return tok.decode(ids, skip_special_tokens=True)
+
+
+HELP = "type a message; /reset clears the conversation, /help shows this, /exit or Ctrl-D quits"
+
+
+def talk(model: Llama, tok: Tokenizer, system: str | None, stdin: TextIO, out: TextIO, err: TextIO, **kw) -> None:
+    """A chat loop on `stdin`: each line is a user turn, each reply printed to `out`; `kw` go to `generate`."""
+    history = [{"role": "system", "content": system}] if system else []
+    interactive = stdin.isatty()
+    print(f"# {HELP}", file=err)
+    while True:
+        if interactive:
+            print("> ", end="", file=err, flush=True)
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        command = line.strip()
+        if command == "/reset":
+            history = history[:1] if system else []
+            print("# conversation cleared", file=err, flush=True)
+        elif command == "/help":
+            print(f"# {HELP}", file=err, flush=True)
+        elif command:
+            history.append({"role": "user", "content": line.rstrip("\n")})
+            reply = generate(model, tok, history, **kw)
+            print(reply, file=out, flush=True)
+            history.append({"role": "assistant", "content": reply or " "})

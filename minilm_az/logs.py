@@ -48,6 +48,51 @@ def eta(done: int, total: int, elapsed_s: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+class Progress:
+    """When a training loop prints its line: after the first step, every `every` steps, at the last, and at
+    least every `seconds` of wall time; `flush` gives the window's mean values, steps/s and the ETA."""
+
+    def __init__(self, total: int, start: int = 0, every: int = 10, seconds: float = 30.0):
+        self.total, self.start, self.every, self.seconds = total, start, every, seconds
+        self.busy, self.window, self.n, self.sums = 0.0, 0.0, 0, {}
+        self.last = time.monotonic()
+
+    def add(self, seconds: float, **values: float) -> None:
+        """One step: its time (evals and checkpoints left out) and the values to average over the window."""
+        self.busy, self.window, self.n = self.busy + seconds, self.window + seconds, self.n + 1
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def due(self, done: int) -> bool:
+        return (done == self.start + 1 or done % self.every == 0 or done == self.total
+                or time.monotonic() - self.last >= self.seconds)
+
+    def flush(self, done: int) -> dict[str, Any]:
+        out = {k: v / max(self.n, 1) for k, v in self.sums.items()}
+        out["steps_per_s"] = self.n / max(self.window, 1e-9)
+        out["eta"] = eta(done - self.start, self.total - self.start, self.busy)
+        self.window, self.n, self.sums, self.last = 0.0, 0, {}, time.monotonic()
+        return out
+
+
+def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
+    """A `progress(done, total)` callback for long loops (evaluation) that logs a line every `seconds`."""
+    t0 = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        if time.monotonic() - last >= seconds and done < total:
+            last = time.monotonic()
+            log.log(stream, **fixed, done=done, total=total, eta=eta(done, total, last - t0))
+    return progress
+
+
+def print_error(prog: str, error: BaseException) -> None:
+    """`prog: error: message` on stderr, once: under torchrun only rank 0 prints."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print(f"{prog}: error: {error}", file=sys.stderr)
+
+
 class MetricLogger:
     """Prints key=value lines (rank 0 only) and appends the same records to `metrics.jsonl`.
 

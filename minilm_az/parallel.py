@@ -63,6 +63,39 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (every rank must call this); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter: into this rank's shard when the parameter is a DTensor."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements)
+        param.to_local().copy_(full.to_local())
+    else:
+        param.copy_(full)
+
+
+def split_batch(global_batch: int, world_size: int, micro_batch: int | None, largest: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) for `global_batch` sequences over `world_size` processes.
+
+    Without an explicit micro-batch, the largest divisor of each process's share up to `largest` is taken,
+    so the defaults work on 1, 2, 4, 8 or 16 GPUs alike.
+    """
+    if global_batch % world_size:
+        raise ValueError(f"--global-batch {global_batch} does not split over {world_size} processes")
+    share = global_batch // world_size
+    if micro_batch is None:
+        micro_batch = max(m for m in range(1, min(largest, share) + 1) if share % m == 0)
+    if share % micro_batch:
+        raise ValueError(f"--global-batch {global_batch} is not a multiple of --micro-batch x processes "
+                         f"= {micro_batch} x {world_size}")
+    return micro_batch, share // micro_batch
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum a few floats over ranks (in float64, so NLL sums for BPB stay exact enough)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)

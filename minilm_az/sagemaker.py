@@ -27,23 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minilm_az import config as C
+from minilm_az.config import CONTAINER_CHECKPOINTS as CHECKPOINT_LOCAL_PATH
+from minilm_az.config import CONTAINER_INPUT
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS_FILE = "requirements-sagemaker.txt"  # uploaded as requirements.txt, the only name the container installs
 ENTRY_WRAPPER = "sm_entry.py"  # root file: runs a script whose first argument is a subcommand
-CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath; SageMaker syncs it with S3
 FRAMEWORK_VERSION = "2.8.0"  # newest the 2.x SDK accepts for torch_distributed on GPU instances
 PY_VERSION = "py312"
 SCRIPT_KEY, COMMAND_KEY = "minilm-script", "minilm-command"  # hyperparameters read by sm_entry.py
-CONTAINER_INPUT_DIR, CONTAINER_MODEL_DIR = "/opt/ml/input/data", "/opt/ml/model"  # fixed by SageMaker
-# tokenize.py takes its paths as flags only, so the launcher passes the container's paths to it:
-# per subcommand, channel -> flag, and the flag that receives the model dir.
-TOKENIZE_PATHS = {
-    "train": ({"corpus": "corpus"}, ("out", CONTAINER_MODEL_DIR)),
-    "report": ({"corpus": "corpus", "tokenizer": "tokenizer", "base_tokenizer": "baseline"},
-               ("json", f"{CONTAINER_MODEL_DIR}/report.json")),
-    "encode": ({"corpus": "corpus", "val_corpus": "val-corpus", "tokenizer": "tokenizer"},
-               ("out", CONTAINER_MODEL_DIR)),
-}
 
 # ---------------------------------------------------------------------------------------------
 # Metrics: CloudWatch reads these out of the `stream key=value ...` lines of minilm_az/logs.py.
@@ -68,26 +61,35 @@ FINETUNE_METRICS = tuple(
 
 @dataclass(frozen=True)
 class Stage:
-    """What differs between the three scripts when they run on SageMaker."""
+    """What differs between the three scripts when they run on SageMaker; paths and flags come from the
+    stage's config dataclass (config.py), which says which channel feeds which flag."""
 
     script: str
-    channels: tuple[str, ...]  # channel names; the launcher flag is the name with dashes
+    configs: dict[str | None, type]  # subcommand (None: the script has none) -> its config dataclass
     required: tuple[str, ...]  # channels without which the job would fail after paying for start-up
     instance_type: str
     torchrun: bool  # run under torchrun on every GPU of every instance
     checkpoints: bool  # give the job a checkpoint S3 prefix by default
     metrics: tuple[dict[str, str], ...] = ()
 
+    def channels(self) -> dict[str, str]:
+        """channel -> the field it feeds, over all subcommands."""
+        return {ch: f for cls in self.configs.values() for ch, f in C.channels(cls).items()}
+
 
 STAGES = {
-    "tokenize": Stage("tokenize.py", ("corpus", "val_corpus", "tokenizer", "base_tokenizer"), ("corpus",),
-                      "ml.m5.4xlarge", torchrun=False, checkpoints=False),
-    "train": Stage("train.py", ("data", "base_model", "tokenizer", "base_tokenizer"), ("data",),
-                   "ml.p5.48xlarge", torchrun=True, checkpoints=True, metrics=TRAIN_METRICS),
-    "finetune": Stage("finetune.py", ("data", "val_data", "base_model", "tokenizer"), ("data",),
-                      "ml.g5.2xlarge", torchrun=False, checkpoints=False, metrics=FINETUNE_METRICS),
+    "tokenize": Stage("tokenize.py", dict(C.TOKENIZE_CONFIGS), ("corpus",), "ml.m5.4xlarge", torchrun=False,
+                      checkpoints=False),
+    "train": Stage("train.py", {None: C.TrainConfig}, ("data",), "ml.p5.48xlarge", torchrun=True,
+                   checkpoints=True, metrics=TRAIN_METRICS),
+    "finetune": Stage("finetune.py", {None: C.FinetuneConfig}, ("data", "model"), "ml.g5.2xlarge",
+                      torchrun=False, checkpoints=False, metrics=FINETUNE_METRICS),
 }
-TOKENIZE_COMMANDS = ("train", "report", "encode")
+TOKENIZE_COMMANDS = tuple(C.TOKENIZE_CONFIGS)
+
+
+def stage_config(args: argparse.Namespace) -> type:
+    return STAGES[args.stage].configs[getattr(args, "command", None)]
 
 
 def is_gpu_instance(instance_type: str) -> bool:
@@ -159,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             sp.add_argument("--phase", type=int, choices=(1, 2), required=True)
         g = sp.add_argument_group("inputs (S3 prefixes, mounted as channels)")
-        for ch in stage.channels:
-            names = [f"--{ch.replace('_', '-')}"] + (["--model"] if name == "finetune" and ch == "base_model" else [])
-            g.add_argument(*names, dest=f"ch_{ch}", type=_s3_uri, metavar="S3_URI",
-                           required=ch in stage.required, help=f"channel {ch!r} -> SM_CHANNEL_{ch.upper()}")
+        for ch, fname in stage.channels().items():
+            g.add_argument(C.flag(fname), dest=f"ch_{ch}", type=_s3_uri, metavar="S3_URI",
+                           required=ch in stage.required,
+                           help=f"channel {ch!r}, passed as {C.flag(fname)} {CONTAINER_INPUT}/{ch}")
         a = sp.add_argument_group("AWS")
         a.add_argument("--role", help="execution role ARN (default: the SageMaker SDK config file)")
         a.add_argument("--region", help="default: the usual AWS config (AWS_REGION, ~/.aws/config)")
@@ -216,13 +218,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.instance_count > 1 and not args.torchrun:
         parser.error(f"--instance-count {args.instance_count} without --torchrun would run the whole "
                      f"job independently on every instance")
-    if args.stage == "tokenize":
-        takes = TOKENIZE_PATHS[args.command][0]
-        for ch in STAGES["tokenize"].channels:
-            if getattr(args, f"ch_{ch}") and ch not in takes:
-                parser.error(f"tokenize {args.command} takes no --{ch.replace('_', '-')}")
-        if "tokenizer" in takes and args.command != "train" and not args.ch_tokenizer:
-            parser.error(f"tokenize {args.command} needs --tokenizer S3_URI")
+    cls = stage_config(args)
+    takes = C.channels(cls)
+    for ch, fname in STAGES[args.stage].channels().items():
+        if getattr(args, f"ch_{ch}") and ch not in takes:
+            parser.error(f"{args.stage} {getattr(args, 'command', '')} takes no {C.flag(fname)}")
+    if args.stage == "tokenize" and "tokenizer" in takes and not args.ch_tokenizer:
+        parser.error(f"tokenize {args.command} needs --tokenizer S3_URI")
+    fixed = set(C.container_paths(cls)) | {f for f in takes.values()}
+    for key in args.hyperparameters:
+        if key.replace("-", "_") in fixed:
+            parser.error(f"--{key} is set by the launcher (a channel or a container path); pass an S3 URI to the "
+                         f"input flag instead")
+    try:  # the script's own parser, here on the laptop: a typo must not cost an instance start-up
+        C.check_args(cls, container_args({k: json.dumps(v) for k, v in args.hyperparameters.items()}))
+    except ValueError as e:
+        parser.error(f"{STAGES[args.stage].script}: {e}")
     if args.torchrun and not args.image_uri and not is_gpu_instance(args.instance_type):
         parser.error(f"--torchrun needs a GPU instance (ml.p*/ml.g*), not {args.instance_type}; "
                      "pass --no-torchrun for a single CPU process")
@@ -276,17 +287,22 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     """Turn parsed flags into a JobPlan (job name, S3 layout, hyperparameters, channels)."""
     stage = STAGES[args.stage]
     hps: dict[str, Any] = {}
+    cls = stage_config(args)
     if args.stage == "tokenize":
         hps[SCRIPT_KEY], hps[COMMAND_KEY] = stage.script, args.command
-        flags, (out_flag, out_path) = TOKENIZE_PATHS[args.command]
-        hps.update({flag: f"{CONTAINER_INPUT_DIR}/{ch}" for ch, flag in flags.items() if getattr(args, f"ch_{ch}")})
-        hps[out_flag] = out_path
         base = f"minilm-az-tokenize-{args.command}"
     elif args.stage == "train":
         hps["phase"] = args.phase
         base = f"minilm-az-train-p{args.phase}"
     else:
         base = "minilm-az-finetune"
+    # The whole contract is on the command line: every mounted channel and every output as an explicit path.
+    for ch, fname in C.channels(cls).items():
+        if getattr(args, f"ch_{ch}"):
+            hps[fname.replace("_", "-")] = f"{CONTAINER_INPUT}/{ch}"
+    for fname, path in C.container_paths(cls).items():
+        if path != CHECKPOINT_LOCAL_PATH or stage.checkpoints or args.checkpoint_s3:
+            hps[fname.replace("_", "-")] = path
     hps.update(args.hyperparameters)
     job_name = args.job_name or _timestamped(base)
     root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")
@@ -295,7 +311,7 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     max_wait_s = None
     if args.spot:
         max_wait_s = int((args.max_wait_hours or 2 * args.max_run_hours) * 3600)
-    channels = {ch: getattr(args, f"ch_{ch}") for ch in stage.channels if getattr(args, f"ch_{ch}")}
+    channels = {ch: getattr(args, f"ch_{ch}") for ch in stage.channels() if getattr(args, f"ch_{ch}")}
     return JobPlan(
         stage=args.stage, job_name=job_name,
         entry_point=ENTRY_WRAPPER if args.stage == "tokenize" else stage.script,
@@ -493,14 +509,13 @@ def container_command(plan: JobPlan, hyperparameters: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m minilm_az.sagemaker STAGE ...`: launch the job and print where things go."""
     args = parse_args(argv)
-    for k in (k for k in args.hyperparameters if len(k) == 1):
-        print(f"note: the container passes --{k} as -{k}; the script must accept -{k}", file=sys.stderr)
     launched = launch(args)
     plan, req = launched.plan, launched.request
     if args.dry_run:
         print(json.dumps(req, indent=2, default=str))
     region = (req.get("HyperParameters") or {}).get("sagemaker_region", '""').strip('"')
-    print(f"{'dry run, nothing sent' if args.dry_run else 'created'}: training job {plan.job_name}", file=sys.stderr)
+    print(f"{'dry run, nothing sent: would create' if args.dry_run else 'created'} training job {plan.job_name}",
+          file=sys.stderr)
     print(f"  runs:        {container_command(plan, req.get('HyperParameters', {}))}", file=sys.stderr)
     print(f"  model to:    {plan.model_uri}", file=sys.stderr)
     if plan.checkpoint_uri:

@@ -179,6 +179,26 @@ def tokenizer_hash(path: str) -> str:
     return h.hexdigest()
 
 
+def check_model_tokenizer(model_dir: str, tokenizer: str | None, flag: str) -> None:
+    """Refuse a tokenizer that is not the model's own. An exported model dir holds its tokenizer's files,
+    so its tokenizer.json is the record; a model dir without one cannot be checked (the vocab size is)."""
+    own = os.path.join(model_dir, "tokenizer.json")
+    if not tokenizer or not os.path.isfile(own):
+        return
+    mine, theirs = tokenizer_hash(own), tokenizer_hash(tokenizer)
+    if mine != theirs:
+        raise ValueError(f"{flag} {tokenizer} is not the tokenizer of {model_dir} (tokenizer.json {theirs[:12]} vs "
+                         f"the model's {mine[:12]}): pass the model's own tokenizer")
+
+
+def eos_id(tok: Tokenizer) -> int:
+    """The end-of-text id: ours, GPT-2's or SentencePiece's spelling."""
+    for t in (EOS, "<|endoftext|>", "</s>"):
+        if tok.token_to_id(t) is not None:
+            return tok.token_to_id(t)
+    raise ValueError("the tokenizer has no end-of-text token (<|end_of_text|>, <|endoftext|> or </s>)")
+
+
 def encode_plain(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     """Batch-encode user text with special-token matching off and no BOS/EOS added.
 

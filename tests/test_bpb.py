@@ -32,8 +32,10 @@ def test_uniform_model_over_bytes_gives_exactly_8_bits_per_byte(uniform):
     tokens = byte_stream(TEXT)
     n_bytes = len(TEXT.encode("utf-8"))
     assert n_bytes % 48 != 0  # the last window is padded: its IGNORE targets must add nothing
-    nll, count = bpb.total_nll(uniform, tokens, seq_len=48, micro_batch=3, device="cpu")
-    assert count == n_bytes
+    token_bytes = np.ones(256, dtype=np.int64)  # each id is one byte
+    nll, count, scored_bytes = bpb.total_nll(uniform, tokens, seq_len=48, micro_batch=3, device="cpu",
+                                             token_bytes=token_bytes)
+    assert count == n_bytes == scored_bytes
     assert nll == pytest.approx(n_bytes * math.log(256), rel=1e-6)
     assert bpb.bits_per_byte(nll, n_bytes) == pytest.approx(8.0, abs=1e-5)
 
@@ -61,11 +63,11 @@ def test_doc_stream_puts_eos_before_and_after_each_document():
 def test_rank_shares_sum_to_the_one_rank_total(world):
     model = build_model(BYTES, seed=2)  # a random (not uniform) model: per-window NLLs differ
     tokens = byte_stream(TEXT)
-    one_nll, one_count = bpb.total_nll(model, tokens, seq_len=16, micro_batch=2, device="cpu")
+    one_nll, one_count, _ = bpb.total_nll(model, tokens, seq_len=16, micro_batch=2, device="cpu")
     shares = [bpb.total_nll(model, tokens, 16, 2, "cpu", rank=r, world_size=world) for r in range(world)]
-    assert sum(c for _, c in shares) == one_count == len(tokens) - 1
-    assert sum(n for n, _ in shares) == pytest.approx(one_nll, rel=1e-6)
-    assert all(c > 0 for _, c in shares)
+    assert sum(c for _, c, _ in shares) == one_count == len(tokens) - 1
+    assert sum(n for n, _, _ in shares) == pytest.approx(one_nll, rel=1e-6)
+    assert all(c > 0 for _, c, _ in shares)
     # And the same as plain cross-entropy on the logits of each window, scored one by one.
     ref = 0.0
     for x, y in bpb.windows(tokens, 16):
@@ -80,3 +82,19 @@ def test_bits_per_byte_needs_bytes():
     assert bpb.bits_per_byte(math.log(2) * 10, 10) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="positive number of bytes"):
         bpb.bits_per_byte(1.0, 0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_capped_evaluation_scores_the_same_tokens_and_bytes_on_any_number_of_ranks(world):
+    model = build_model(BYTES, seed=3)
+    tokens = byte_stream(TEXT)
+    token_bytes = np.ones(256, dtype=np.int64)
+    token_bytes[0] = 0  # pretend id 0 is a special token: scored, but no bytes
+    one = bpb.total_nll(model, tokens, 16, 2, "cpu", max_windows=5, token_bytes=token_bytes)
+    shares = [bpb.total_nll(model, tokens, 16, 2, "cpu", rank=r, world_size=world, max_windows=5,
+                            token_bytes=token_bytes) for r in range(world)]
+    assert one[1] == 5 * 16 < len(tokens) - 1  # the cap is in windows over all ranks
+    assert sum(s[1] for s in shares) == one[1] and sum(s[2] for s in shares) == one[2]
+    assert sum(s[0] for s in shares) == pytest.approx(one[0], rel=1e-6)
+    exact = int(token_bytes[tokens[1:5 * 16 + 1]].sum())  # the bytes of exactly the scored targets
+    assert one[2] == exact

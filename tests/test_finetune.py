@@ -19,7 +19,7 @@ from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, VAL = os.path.join(ROOT, "data/chat/az_chat.jsonl"), os.path.join(ROOT, "data/chat/az_chat_val.jsonl")
 ARGS = ["--data", TRAIN, "--val-data", VAL, "--steps", "4", "--global-batch", "8", "--micro-batch", "2",
-        "--lora-r", "8", "--dropout", "0", "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--eval-every", "2"]
+        "--lora-r", "8", "--lora-dropout", "0", "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--eval-every", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
@@ -128,7 +128,9 @@ def test_bad_data_names_file_and_line_or_is_skipped(base, tmp_path, capsys):
     assert "bad.jsonl:11: message 0: unknown role 'robot'" in capsys.readouterr().err
     assert finetune.main(common + ["--on-bad-line", "skip"]) == 0
     assert "skipped_bad_lines=1" in capsys.readouterr().out
-    assert finetune.main(common + ["--global-batch", "3"]) == 2
+    with pytest.raises(SystemExit) as e:  # a flag error comes from the parser, before any work
+        finetune.main(common + ["--global-batch", "3"])
+    assert e.value.code == 2
     assert "not a multiple of --micro-batch" in capsys.readouterr().err
 
 
@@ -151,22 +153,41 @@ def test_prompt_mode_replies_like_generate(base, run1, capsys):
     assert reply == want
 
 
-def test_flags_accept_sagemaker_strings_and_channels(monkeypatch):
-    monkeypatch.setenv("SM_CHANNEL_BASE_MODEL", "/opt/ml/input/data/base_model")
+def test_flags_accept_sagemaker_strings_and_channels(monkeypatch, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.setenv("SM_CHANNEL_MODEL", str(model))
     monkeypatch.setenv("SM_CHANNEL_DATA", "/opt/ml/input/data/data")
+    monkeypatch.setenv("SM_CHANNEL_VAL_DATA", "/opt/ml/input/data/val_data")
     monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
     a = finetune.parse_args(["--merge", "false", "--liger", "True", "--last-turn-only", "--no-compile"])
-    assert (a.model, a.data, a.out) == ("/opt/ml/input/data/base_model", "/opt/ml/input/data/data", "/opt/ml/model")
+    assert (a.model, a.data, a.val_data, a.out) == (str(model), "/opt/ml/input/data/data",
+                                                    "/opt/ml/input/data/val_data", "/opt/ml/model")
     assert a.merge is False and a.liger is True and a.last_turn_only is True and a.compile is False
-    assert (a.r, a.alpha, a.dropout, a.max_seq_len) == (64, 28, 0.05, 1024)
+    assert (a.lora_r, a.lora_alpha, a.lora_dropout, a.max_seq_len) == (64, 28, 0.05, 1024)
     with pytest.raises(SystemExit):
         finetune.parse_args(["--merge", "maybe"])
 
 
-def test_data_directory_finds_train_and_val_files(tmp_path):
-    for name in ("train.jsonl", "val.jsonl", "notes.txt"):
-        (tmp_path / name).write_text("")
-    args = finetune.parse_args(["--model", "m", "--data", str(tmp_path)])
-    assert finetune.data_files(args) == ([str(tmp_path / "train.jsonl")], str(tmp_path / "val.jsonl"))
+def test_data_directory_layout_is_explicit_and_every_match_is_used(tmp_path):
+    from minilm_az.chat import chat_files
+
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in ("train_a.jsonl", "train_b.jsonl", "val1.jsonl", "val2.jsonl", "part_b_values.jsonl", "notes.txt"):
+        (d / name).write_text("")
+    train, val = chat_files(str(d), None)
+    assert train == [str(d / "train_a.jsonl"), str(d / "train_b.jsonl")]  # train* wins over other *.jsonl
+    assert val == [str(d / "val1.jsonl"), str(d / "val2.jsonl")]  # every val file; "_values" is not one
+    (d / "train_a.jsonl").unlink()
+    (d / "train_b.jsonl").unlink()
+    (d / "az_chat_val.jsonl").write_text("")
+    train, val = chat_files(str(d), None)
+    assert train == [str(d / "part_b_values.jsonl")]
+    assert val == [str(d / "az_chat_val.jsonl"), str(d / "val1.jsonl"), str(d / "val2.jsonl")]
+    v = tmp_path / "v"  # a --val-data directory (a SageMaker channel): all of its .jsonl validate
+    v.mkdir()
+    (v / "anything.jsonl").write_text("")
+    assert chat_files(str(d), str(v))[1] == [str(v / "anything.jsonl")]
     with pytest.raises(FileNotFoundError, match="chat data not found"):
-        finetune.data_files(finetune.parse_args(["--model", "m", "--data", str(tmp_path / "x.jsonl")]))
+        chat_files(str(tmp_path / "x.jsonl"), None)

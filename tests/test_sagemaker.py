@@ -1,8 +1,8 @@
 """The SageMaker launcher, against moto's in-process mock of S3 and SageMaker (nothing leaves the machine).
 
-Also the container side of the contract: the argv the container builds from our hyperparameters,
-sm_entry.py's subcommand reordering, and (once train.py exists) a container-like run of train.py
-with SM_* variables, whose log lines must match the metric regexes we send.
+Also the container side: the argv the container builds from our hyperparameters, sm_entry.py's
+subcommand reordering, and train.py's log lines against the metric regexes we send. The contract field
+by field is tests/test_contract.py; whole jobs replayed in a simulated container, tests/test_sm_container.py.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_script_flags_that_a_hyperparameter_cannot_carry_are_refused(argv, msg):
     (["train", "--phase", "2", "--data", "s3://b/d/", "--spot", "--max-run-hours", "10", "--max-wait-hours", "5"],
      "at least --max-run-hours"),
     (["train", "--phase", "2", "--data", "s3://b/d/", "--instance-type", "ml.m5.xlarge"], "needs a GPU instance"),
-    (["finetune", "--data", "s3://b/sft/", "--instance-count", "2"], "without --torchrun"),
+    (["finetune", "--model", "s3://b/m/", "--data", "s3://b/sft/", "--instance-count", "2"], "without --torchrun"),
     (["tokenize", "--corpus", "s3://b/c/"], "invalid choice|required"),
 ])
 def test_bad_launch_flags_stop_before_anything_is_sent(argv, msg, capsys):
@@ -121,8 +121,9 @@ def test_container_argv_is_sorted_flags_with_plain_values():
                           "--compile", "--micro-batch", "4"])
     plan = sm.plan_job(args, bucket=BUCKET, role=ROLE)
     sent = _as_sent(plan.hyperparameters) | {"sagemaker_program": '"train.py"'}
-    assert sm.container_args(sent) == ["--compile", "true", "--lr", "3e-4", "--micro-batch", "4",
-                                       "--phase", "2", "--steps", "100"]
+    assert sm.container_args(sent) == ["--checkpoint-dir", "/opt/ml/checkpoints", "--compile", "true",
+                                       "--data", "/opt/ml/input/data/data", "--lr", "3e-4", "--micro-batch", "4",
+                                       "--out", "/opt/ml/model", "--phase", "2", "--steps", "100"]
 
 
 def test_sm_entry_moves_the_subcommand_in_front():
@@ -146,7 +147,6 @@ def test_sm_entry_runs_the_script_as_main(tmp_path):
 
 def test_sm_entry_runs_the_real_tokenize_py_subcommand():
     # tokenize.py shares its name with the stdlib module that sm_entry.py's imports pull in first
-    _script(TOKENIZE_SCRIPT)
     out = subprocess.run([sys.executable, sm.ENTRY_WRAPPER, "--minilm-command", "train", "--help",
                           "--minilm-script", TOKENIZE_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -250,7 +250,7 @@ def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, proje
 
 def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, project):
     launched = launch(aws, project, ["tokenize", "encode", "--corpus", "s3://corp/text/",
-                                     "--tokenizer", "s3://corp/tok/", "--vocab-size", "32000"])
+                                     "--tokenizer", "s3://corp/tok/", "--shard-tokens", "32000"])
     req = launched.request
     hps = req["HyperParameters"]
     assert json.loads(hps["sagemaker_program"]) == sm.ENTRY_WRAPPER
@@ -259,7 +259,7 @@ def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, projec
     assert req["ResourceConfig"]["InstanceType"] == "ml.m5.4xlarge"
     assert sm.entry_argv(sm.container_args(hps)) == (TOKENIZE_SCRIPT, [
         "encode", "--corpus", "/opt/ml/input/data/corpus", "--out", "/opt/ml/model",
-        "--tokenizer", "/opt/ml/input/data/tokenizer", "--vocab-size", "32000"])
+        "--shard-tokens", "32000", "--tokenizer", "/opt/ml/input/data/tokenizer"])
     assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"corpus", "tokenizer"}
     assert "CheckpointConfig" not in req and "MetricDefinitions" not in req["AlgorithmSpecification"]
     reqs = uploaded_source(aws, req).extractfile("requirements.txt").read().decode()
@@ -268,13 +268,14 @@ def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, projec
 
 def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, project):
     launched = launch(aws, project, ["finetune", "--model", "s3://corp/p2/model/", "--data", "s3://corp/sft/",
-                                     "--val-data", "s3://corp/sft-val/", "--r", "16", "--merge"])
+                                     "--val-data", "s3://corp/sft-val/", "--lora-r", "16", "--merge"])
     req = launched.request
-    assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"base_model", "data", "val_data"}
+    assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"model", "data", "val_data"}
     assert req["ResourceConfig"]["InstanceType"] == "ml.g5.2xlarge"
     assert "sagemaker_torch_distributed_enabled" not in req["HyperParameters"]
-    # the container writes a one-letter key with one dash: finetune.py must accept -r as well as --r
-    assert sm.container_args(req["HyperParameters"]) == ["--merge", "true", "-r", "16"]
+    assert sm.container_args(req["HyperParameters"]) == [
+        "--data", "/opt/ml/input/data/data", "--lora-r", "16", "--merge", "true", "--model", "/opt/ml/input/data/model",
+        "--out", "/opt/ml/model", "--val-data", "/opt/ml/input/data/val_data"]
     assert req["AlgorithmSpecification"]["MetricDefinitions"] == list(sm.FINETUNE_METRICS)
 
 
@@ -292,7 +293,9 @@ def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch,
     out = capsys.readouterr()
     printed = json.loads(out.out)
     assert printed["HyperParameters"]["phase"] == "2"
-    assert "dry run, nothing sent" in out.err and "train.py --phase 2 --steps 10" in out.err
+    assert "dry run, nothing sent: would create training job" in out.err
+    assert "train.py --checkpoint-dir /opt/ml/checkpoints --data /opt/ml/input/data/data --out /opt/ml/model " \
+           "--phase 2 --steps 10" in out.err
     assert aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
     assert [b["Name"] for b in aws.client("s3").list_buckets()["Buckets"]] == [BUCKET]
     assert aws.client("s3").list_objects_v2(Bucket=BUCKET).get("KeyCount", 0) == 0
@@ -312,13 +315,6 @@ CORPUS = "\n".join(
     for i in range(400))
 
 
-def _script(name: str) -> Path:
-    path = ROOT / name
-    if not path.exists():
-        pytest.skip(f"{name} does not exist yet")
-    return path
-
-
 def _run(argv, env=None, cwd=None, timeout=300):
     out = subprocess.run([sys.executable, *map(str, argv)], env=env, cwd=cwd, capture_output=True, text=True,
                          timeout=timeout)
@@ -327,61 +323,36 @@ def _run(argv, env=None, cwd=None, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def container_run(tmp_path_factory):
-    """Tokenizer + shards made locally, then train.py run as the container would run it."""
-    train, tokenize = _script(TRAIN_SCRIPT), _script(TOKENIZE_SCRIPT)
+def train_log(tmp_path_factory):
+    """A tokenizer, shards and a 4-step train.py run; its output is what CloudWatch's regexes read.
+    (tests/test_sm_container.py replays whole jobs in a simulated container.)"""
     tmp = tmp_path_factory.mktemp("sm")
     (tmp / "corpus").mkdir()
     (tmp / "corpus" / "az.txt").write_text(CORPUS, encoding="utf-8")
+    tokenize, train = ROOT / TOKENIZE_SCRIPT, ROOT / TRAIN_SCRIPT
     _run([tokenize, "train", "--corpus", tmp / "corpus" / "az.txt", "--vocab-size", "512", "--out", tmp / "tok"])
     _run([tokenize, "encode", "--corpus", tmp / "corpus" / "az.txt", "--tokenizer", tmp / "tok",
           "--val-fraction", "0.1", "--out", tmp / "shards"])
-    dirs = {"model": tmp / "model", "output": tmp / "output", "checkpoints": tmp / "checkpoints"}
-    for d in dirs.values():
-        d.mkdir()
-    env = {**os.environ, "SM_MODEL_DIR": str(dirs["model"]), "SM_OUTPUT_DATA_DIR": str(dirs["output"]),
-           "SM_CHANNEL_DATA": str(tmp / "shards"), "SM_CHANNEL_TOKENIZER": str(tmp / "tok"),
-           "SM_CHANNELS": '["data","tokenizer"]', "SM_NUM_GPUS": "0", "SM_HOSTS": '["algo-1"]',
-           "SM_CURRENT_HOST": "algo-1", "SM_TRAINING_ENV": json.dumps({"hosts": ["algo-1"], "num_gpus": 0})}
-    # the argv the container builds from what the launcher would send
-    args = sm.parse_args(["train", "--phase", "1", "--data", "s3://b/shards/", "--tokenizer", "s3://b/tok/",
-                          "--preset", "tiny", "--steps", "4", "--log-every", "1", "--eval-every", "2",
-                          "--checkpoint-every", "2", "--seq-len", "64", "--micro-batch", "2", "--device", "cpu",
-                          "--no-compile", "--no-liger"])
-    argv = sm.container_args(_as_sent(sm.plan_job(args, bucket=BUCKET, role=ROLE).hyperparameters))
-    log = _run([train, *argv, "--checkpoint-dir", dirs["checkpoints"]], env=env, cwd=tmp)
-    return log, dirs
+    return _run([train, "--phase", "2", "--data", tmp / "shards", "--tokenizer", tmp / "tok", "--out", tmp / "out",
+                 "--preset", "tiny", "--steps", "4", "--log-every", "1", "--eval-every", "2", "--seq-len", "64",
+                 "--global-batch", "2", "--device", "cpu"], cwd=tmp)
 
 
 @pytest.mark.slow
-def test_metric_regexes_match_real_train_output(container_run):
-    log, _ = container_run
+def test_metric_regexes_match_real_train_output(train_log):
     for name in ("train:loss", "train:lr", "train:tokens_per_s", "eval:val_loss", "eval:val_bpb"):
-        values = [float(m.group(1)) for m in map(regex(name).search, log.splitlines()) if m]
+        values = [float(m.group(1)) for m in map(regex(name).search, train_log.splitlines()) if m]
         assert values, f"{name} matched no line of train.py's output"
-    losses = [float(m.group(1)) for m in map(regex("train:loss").search, log.splitlines()) if m]
+    losses = [float(m.group(1)) for m in map(regex("train:loss").search, train_log.splitlines()) if m]
     assert len(losses) == 4
 
 
-@pytest.mark.slow
-def test_train_in_a_container_like_env_checkpoints_and_exports_to_sm_dirs(container_run):
-    _, dirs = container_run
-    assert any(p.is_file() for p in dirs["checkpoints"].rglob("*")), "no checkpoint under --checkpoint-dir"
-    exported = {p.name for p in dirs["model"].iterdir()}
-    assert "config.json" in exported and any(n.endswith(".safetensors") for n in exported)
+def test_train_paths_default_to_the_container_dirs_inside_sagemaker(monkeypatch):
+    from minilm_az import config as C
 
-
-def test_train_checkpoint_dir_defaults_to_opt_ml_checkpoints_inside_sagemaker(monkeypatch):
-    _script(TRAIN_SCRIPT)
-    monkeypatch.syspath_prepend(str(ROOT))
-    import importlib
-
-    train = importlib.import_module(Path(TRAIN_SCRIPT).stem)
-    parse = getattr(train, "parse_args", None)
-    if parse is None:
-        pytest.skip("train.py has no parse_args(argv) to ask for its defaults")
     monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
     monkeypatch.setenv("SM_CHANNEL_DATA", "/opt/ml/input/data/data")
-    args = parse(["--phase", "1", "--preset", "tiny"])
-    assert str(args.checkpoint_dir) == sm.CHECKPOINT_LOCAL_PATH
-    assert str(args.out) == "/opt/ml/model" and str(args.data) == "/opt/ml/input/data/data"
+    monkeypatch.setenv("SM_CHANNEL_BASE_MODEL", "/opt/ml/input/data/base_model")
+    cfg = C.parse_config(C.TrainConfig, C.make_parser(C.TrainConfig, "train.py", "x"), ["--phase", "2"])
+    assert (cfg.checkpoint_dir, cfg.out, cfg.data, cfg.base_model) == (
+        sm.CHECKPOINT_LOCAL_PATH, "/opt/ml/model", "/opt/ml/input/data/data", "/opt/ml/input/data/base_model")

@@ -171,7 +171,7 @@ def test_phase1_changes_only_the_embedding(data, tmp_path):
                                       load_tokenizer(str(data / "tok")), 1024)
     emb = new["model.embed_tokens.weight"]
     assert emb.shape == (1024, 128)  # 1000 ids padded to a multiple of 64
-    assert f"vocab_transfer embed_tokens {stats}" in r.stdout
+    assert f"vocab_transfer tensor=model.embed_tokens.weight {stats}" in r.stdout
     assert stats.copied + stats.averaged + stats.special_mean == n_tok and stats.copied > 0 and stats.averaged > 0
     assert (emb - start).abs().amax(1).gt(0).float().mean() > 0.99  # trained (decay touches every row)
     cfg = json.loads((out / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_two_process_fsdp_matches_one_process(data, reference, tmp_path):
     out = tmp_path / "two"
     r = train("--tokenizer", data / "tok", "--data", data / "shards", "--out", out, "--steps", STEPS, *SMALL,
               nproc=2)
-    assert "world=2 accum=1" in r.stdout
+    assert "world=2 micro_batch=2 accum=1" in r.stdout
     assert_losses_match(losses(out), losses(reference), range(1, STEPS + 1), tol=1e-5)
     one, two = weights(reference), weights(out)
     assert sorted(one) == sorted(two)
@@ -281,7 +281,7 @@ def test_eval_only_on_raw_text_prints_val_bpb(reference, hf_reference, tmp_path)
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("eval "))
     got = dict(kv.split("=", 1) for kv in line.split()[1:])
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
-    assert int(got["bytes"]) == n_bytes
+    assert int(got["val_bytes"]) == n_bytes
 
     # Independently: transformers' logits over EOS doc EOS doc EOS, every token after the first predicted.
     tok = load_tokenizer(str(reference))
@@ -319,7 +319,7 @@ def bad_cases(d: Path, tmp: Path) -> dict[str, tuple[list, str]]:
         "missing_base_weights": ([*phase1, "--base-model", no_weights],
                                  f"{no_weights}: no model.safetensors"),
         "global_batch_does_not_divide": ([*ok, "--global-batch", 5],
-                                         "--global-batch 5 is not divisible by --micro-batch 2 x 1 processes"),
+                                         "--global-batch 5 is not a multiple of --micro-batch x processes = 2 x 1"),
         # Adam moves every weight by ~lr: at 1e6 the first update wrecks the model, step 2's grads are not finite.
         "diverging_loss": ([*ok, "--lr", 1e6, "--warmup", 1, "--checkpoint-every", 1],
                            "at step 2: stopped before the update; last good checkpoint: "),

@@ -1,0 +1,133 @@
+"""The launcher <-> script contract, field by field, through the real container toolkit.
+
+For every field of every stage's config dataclass (generated, so a new flag is covered the day it is
+added): the launcher's command line -> the CreateTrainingJob request it really sends (moto) -> the
+hyperparameters as `sagemaker_training` reads them -> its `to_cmd_args` argv -> the script's own parser
+gives back the value asked for. Channel fields must arrive as their mounted /opt/ml/input/data path and
+outputs as their fixed container path, whatever the user passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from minilm_az import config as C
+
+mapping = pytest.importorskip("sagemaker_training.mapping")
+environment = pytest.importorskip("sagemaker_training.environment")
+pytest.importorskip("moto")
+
+from test_sagemaker import BUCKET, ROLE, aws, project  # noqa: E402,F401  (fixtures: mocked AWS, a checkout)
+
+STAGES = [("tokenize", "train"), ("tokenize", "report"), ("tokenize", "encode"), ("train", None),
+          ("finetune", None)]
+
+
+def other_value(f: dataclasses.Field):
+    """A value for `f` that is not its default, within its choices and bounds."""
+    if C.is_bool(f):
+        return not f.default
+    if "choices" in f.metadata:
+        return next(c for c in f.metadata["choices"] if c != f.default)
+    base = str(f.type).split("|")[0].strip()
+    lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+    if base == "int":
+        v = (f.default if f.default is not None else (lo or 0)) + 3
+        return min(v, hi) if hi is not None else v
+    if base == "float":
+        if hi is not None:
+            return round(((lo or 0.0) + hi) / 2 + 0.0123, 6) if (lo or 0.0) + 0.0123 < hi else hi
+        return round((f.default or 0.0) * 1.5 + 0.0375, 6)
+    if base == "list[str]":
+        return ["/tmp/eval text ü.txt"]
+    return "Salam, dünya: 'x' \"y\""  # spaces, quotes, a colon and non-ASCII survive as one argument
+
+
+def launcher_argv(stage: str, command: str | None, cls) -> tuple[list[str], dict]:
+    """The launcher command line setting every field, and what each field must arrive as."""
+    argv = [stage] + ([command] if command else []) + (["--phase", "1"] if stage == "train" else [])
+    want = {}
+    for ch, fname in C.channels(cls).items():
+        argv += [C.flag(fname), f"s3://bucket/in/{ch}/"]
+        f = next(x for x in dataclasses.fields(cls) if x.name == fname)
+        want[fname] = [f"{C.CONTAINER_INPUT}/{ch}"] if f.metadata.get("nargs") else f"{C.CONTAINER_INPUT}/{ch}"
+    for fname, path in C.container_paths(cls).items():
+        want[fname] = path
+    for f in dataclasses.fields(cls):
+        if f.name in want or (stage == "train" and f.name == "phase"):
+            continue
+        v = other_value(f)
+        want[f.name] = v
+        if isinstance(v, bool):
+            argv.append(C.flag(f.name) if v else "--no-" + C.flag(f.name)[2:])
+        else:
+            argv += [C.flag(f.name), v[0] if isinstance(v, list) else str(v)]
+    if stage == "train":
+        want["phase"] = 1
+    return argv + ["--role", ROLE, "--bucket", BUCKET], want
+
+
+def toolkit_argv(hyperparameters: dict[str, str], tmp_path, monkeypatch) -> list[str]:
+    """What the container's toolkit makes of the request's HyperParameters: its own reader, its own mapping."""
+    path = tmp_path / "hyperparameters.json"
+    path.write_text(json.dumps(hyperparameters))
+    monkeypatch.setattr(environment, "hyperparameters_file_dir", str(path))
+    hps = environment.read_hyperparameters()
+    user = {k: v for k, v in hps.items() if not k.startswith("sagemaker_")}
+    return [str(a) for a in mapping.to_cmd_args(user)]
+
+
+@pytest.mark.parametrize("stage, command", STAGES)
+def test_every_config_field_survives_launcher_toolkit_and_script_parser(stage, command, aws, project, tmp_path,
+                                                                        monkeypatch):
+    from minilm_az import sagemaker as sm
+
+    cls = sm.STAGES[stage].configs[command]
+    argv, want = launcher_argv(stage, command, cls)
+    launched = sm.launch(sm.parse_args(argv), boto_session=aws, root=project)
+    hps = launched.request["HyperParameters"]
+    args = toolkit_argv(hps, tmp_path, monkeypatch)
+    assert args == sm.container_args(hps)  # the dry run prints what the container really runs
+    if stage == "tokenize":
+        script, args = sm.entry_argv(args)  # sm_entry.py puts the subcommand back in front
+        assert (script, args[0]) == ("tokenize.py", command)
+        args = args[1:]
+    assert not [a for a in args if a.startswith("-") and not a.startswith("--")], "a one-dash flag would be refused"
+    for k in [k for k in os.environ if k.startswith("SM_")]:
+        monkeypatch.delenv(k)
+    cfg = C.parse_config(cls, C.make_parser(cls, sm.STAGES[stage].script, "x\n\ny"), args)
+    got = dataclasses.asdict(cfg)
+    assert {k: got[k] for k in want} == want
+    assert set(want) == {f.name for f in dataclasses.fields(cls)}  # every field was exercised
+
+
+def test_false_booleans_and_sagemaker_spellings_parse_alike():
+    for spelling in (["--merge", "false"], ["--merge", "False"], ["--merge=false"], ["--no-merge"]):
+        cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), ["--merge", "true"] + spelling)
+        assert cfg.merge is False, spelling
+    for spelling in (["--merge"], ["--merge", "true"], ["--merge", "True"], ["--merge=1"]):
+        cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), spelling)
+        assert cfg.merge is True, spelling
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["finetune", "--model", "s3://b/m/", "--data", "s3://b/d/", "--r", "16"], "unrecognized arguments: -r 16"),
+    (["finetune", "--model", "s3://b/m/", "--data", "s3://b/d/", "--lora-rank", "16"], "--lora-rank"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--stepz", "5"], "--stepz"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--ac", "most"], "invalid choice: 'most'"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--global-batch", "0"], "--global-batch must be >= 1"),
+    (["train", "--phase", "2", "--data", "s3://b/d/", "--out", "/tmp/x"], "--out is set by the launcher"),
+    (["tokenize", "train", "--corpus", "s3://b/c/", "--tokenizer", "s3://b/t/"], "takes no --tokenizer"),
+])
+def test_a_flag_the_script_would_refuse_is_refused_at_launch(argv, msg, capsys):
+    from minilm_az import sagemaker as sm
+
+    with pytest.raises(SystemExit) as e:
+        sm.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert msg in err[-1]
