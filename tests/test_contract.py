@@ -21,7 +21,7 @@ mapping = pytest.importorskip("sagemaker_training.mapping")
 environment = pytest.importorskip("sagemaker_training.environment")
 pytest.importorskip("moto")
 
-from test_sagemaker import BUCKET, ROLE, aws, project  # noqa: E402,F401  (fixtures: mocked AWS, a checkout)
+from test_sagemaker import BUCKET, ROLE, aws, project  # noqa: E402,F401,F811  (mocked AWS, a checkout)
 
 STAGES = [("tokenize", "train"), ("tokenize", "report"), ("tokenize", "encode"), ("train", None),
           ("finetune", None)]
@@ -82,8 +82,8 @@ def toolkit_argv(hyperparameters: dict[str, str], tmp_path, monkeypatch) -> list
 
 
 @pytest.mark.parametrize("stage, command", STAGES)
-def test_every_config_field_survives_launcher_toolkit_and_script_parser(stage, command, aws, project, tmp_path,
-                                                                        monkeypatch):
+def test_every_config_field_survives_launcher_toolkit_and_script_parser(stage, command, aws, project,  # noqa: F811
+                                                                        tmp_path, monkeypatch):
     from minilm_az import sagemaker as sm
 
     cls = sm.STAGES[stage].configs[command]
@@ -107,7 +107,7 @@ def test_every_config_field_survives_launcher_toolkit_and_script_parser(stage, c
 
 def test_false_booleans_and_sagemaker_spellings_parse_alike():
     for spelling in (["--merge", "false"], ["--merge", "False"], ["--merge=false"], ["--no-merge"]):
-        cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), ["--merge", "true"] + spelling)
+        cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), ["--merge"] + spelling)
         assert cfg.merge is False, spelling
     for spelling in (["--merge"], ["--merge", "true"], ["--merge", "True"], ["--merge=1"]):
         cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), spelling)

@@ -19,7 +19,8 @@ from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, VAL = os.path.join(ROOT, "data/chat/az_chat.jsonl"), os.path.join(ROOT, "data/chat/az_chat_val.jsonl")
 ARGS = ["--data", TRAIN, "--val-data", VAL, "--steps", "4", "--global-batch", "8", "--micro-batch", "2",
-        "--lora-r", "8", "--lora-dropout", "0", "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--eval-every", "2"]
+        "--lora-r", "8", "--lora-dropout", "0", "--lr", "3e-3", "--warmup", "1", "--log-every", "1",
+        "--eval-every", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 
