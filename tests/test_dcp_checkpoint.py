@@ -276,3 +276,46 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_latest(gro
     assert resume(str(ckpt), model, opt, 0, {"model": CFG.to_dict()}, {}, print)[0] == 1
     save_train_checkpoint(str(ckpt), 2, model, opt, STATE, 0, 0)  # the next save clears the killed one's dir
     assert sorted(os.listdir(ckpt)) == ["latest", "step-00000001", "step-00000002"]
+
+
+TWO_RANKS = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from test_dcp_checkpoint import STATE, make, tensors, train_step
+    from minilm_az.checkpoint import Checkpointer
+    rank, store, ckpt_dir, snapshot = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    model, opt = make(seed=1)
+    want = tensors(model, opt)  # gathers: every rank
+    if rank == 0:
+        torch.save(want, snapshot)
+    ck = Checkpointer(ckpt_dir, rank, local_rank=0, async_save=True)  # local rank 0 of its own host
+    ck.save(1, model, opt, STATE)
+    train_step(model, opt)
+    print(ck.finalize())
+    ck.close()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("disks", ["shared", "per-host"])
+def test_two_ranks_on_two_hosts_async_save_then_resume_on_one(group, tmp_path, disks):
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    dirs = [tmp_path / "host0", tmp_path / ("host0" if disks == "shared" else "host1")]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"), str(dirs[r]),
+                               str(tmp_path / "want.pt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO}) for r in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    step1 = tmp_path / "host0" / "step-00000001"
+    if disks == "per-host":  # each host renamed its own part; only their union (an S3 sync) is complete
+        assert not is_complete(str(step1))
+        assert sorted(os.listdir(dirs[1])) == ["latest", "step-00000001"]
+        for f in os.listdir(dirs[1] / "step-00000001"):
+            os.replace(dirs[1] / "step-00000001" / f, step1 / f)
+    assert sorted(os.listdir(step1)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-00000.safetensors",
+                                         "rng-00001.safetensors", "train_state.json"]
+    model, opt = make(seed=3)
+    assert resume(str(tmp_path / "host0"), model, opt, 0, {"model": CFG.to_dict()}, {}, print)[0] == 1
+    assert_same(tensors(model, opt), torch.load(tmp_path / "want.pt"))
