@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:  # CorpusError is a ValueError
+    except (ValueError, OSError) as e:  # CorpusError is a ValueError; OSError: a full or read-only disk
         print(f"tokenize.py {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

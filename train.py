@@ -14,7 +14,6 @@ log, eval, checkpoint) and the export.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import resource
@@ -26,36 +25,17 @@ import unicodedata
 import numpy as np
 import torch
 
-from minilm_az import bpb, parallel
-from minilm_az.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    latest_checkpoint,
-    load_weights_into,
-    read_config,
-    read_tensor,
-    resume,
-    save_pretrained,
-)
+from minilm_az import bpb, checkpoint, parallel
+from minilm_az import tokenizer as tk
+from minilm_az.checkpoint import Checkpointer, CheckpointError, load_weights_into, read_config
 from minilm_az.config import PHASE_DEFAULTS, TrainConfig, in_sagemaker, make_parser, parse_config
 from minilm_az.data import BatchStream
 from minilm_az.kernels import select_ops
 from minilm_az.logs import MetricLogger, Progress, print_error, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
+from minilm_az.outputs import check_writable
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
-from minilm_az.tokenizer import (
-    BOS,
-    check_model_tokenizer,
-    copy_tokenizer_files,
-    corpus_files,
-    encode_plain,
-    eos_id,
-    iter_documents,
-    load_tokenizer,
-    token_byte_lengths,
-    tokenizer_hash,
-)
 from minilm_az.transfer import transfer_embedding
 
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200 SXM, the MFU denominator
@@ -110,44 +90,17 @@ def need_dir(path: str | None, flag: str, what: str) -> str:
     return path
 
 
-def check_writable(path: str, flag: str) -> None:
-    """Found now, not at the first checkpoint hours in: can this directory be written?"""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w") as fh:
-            fh.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror})") from None
-
-
-def fingerprint(model_dir: str | None) -> str | None:
-    """A cheap identity of a model directory: config.json, and each weight file's size, head and tail."""
-    if not model_dir:
-        return None
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(model_dir)):
-        if name == "config.json" or name.endswith(".safetensors"):
-            path, size = os.path.join(model_dir, name), os.path.getsize(os.path.join(model_dir, name))
-            with open(path, "rb") as f:
-                h.update(f"{name}:{size}".encode() + f.read(1 << 20))
-                f.seek(max(0, size - (1 << 20)))
-                h.update(f.read())
-    return h.hexdigest()
-
-
 def embedding_rows(cfg: TrainConfig, n_tok: int) -> int:
     """Rows of the model's embedding: the base's (phase 2 from a model), else our vocabulary padded to 64."""
     if cfg.base_model and not cfg.base_tokenizer:  # the model already speaks this tokenizer
-        check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
+        tk.check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
         vocab = read_config(cfg.base_model).vocab_size
         if vocab < n_tok:
             raise UsageError(f"the tokenizer has {n_tok} ids but {cfg.base_model} only {vocab} embedding rows: "
                              f"pass --base-tokenizer to transfer the vocabulary (phase 1)")
         return vocab
     if cfg.base_model:
-        check_model_tokenizer(cfg.base_model, cfg.base_tokenizer, "--base-tokenizer")
+        tk.check_model_tokenizer(cfg.base_model, cfg.base_tokenizer, "--base-tokenizer")
     return math.ceil(n_tok / 64) * 64  # new embedding rows: a GPU-friendly multiple
 
 
@@ -160,10 +113,11 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     if cfg.base_model:
         mcfg = read_config(cfg.base_model)
         if cfg.base_tokenizer:  # phase 1: our vocabulary's rows from the base's rows (transfer.py)
-            base_tok = load_tokenizer(cfg.base_tokenizer)
+            base_tok = tk.load_tokenizer(cfg.base_tokenizer)
             heads = ["model.embed_tokens.weight"] + ([] if mcfg.tie_embeddings else ["lm_head.weight"])
             for name in heads:
-                rows, stats = transfer_embedding(read_tensor(cfg.base_model, name), base_tok, tok, vocab_size)
+                base_rows = checkpoint.read_tensor(cfg.base_model, name)
+                rows, stats = transfer_embedding(base_rows, base_tok, tok, vocab_size)
                 log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), base_vocab=mcfg.vocab_size,
                         new_vocab=vocab_size)
                 overrides[name] = rows
@@ -178,6 +132,9 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     materialize(model, d.device, seed=cfg.seed, init=not cfg.base_model)
     if cfg.base_model:
         load_weights_into(model, cfg.base_model, overrides)
+    log.log("model", params=mcfg.num_params(), trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            world=d.world_size, micro_batch=cfg.micro_batch, accum=cfg.global_batch // (cfg.micro_batch * d.world_size),
+            tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, device=d.device.type)
     return model
 
 
@@ -186,10 +143,10 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
 
 def eval_tokens(cfg: TrainConfig, tok) -> np.ndarray:
     """The stream to score: --eval-text documents (NFC once, then encoded), else the val split of --data."""
-    eos = eos_id(tok)
+    eos = tk.eos_id(tok)
     if cfg.eval_text:
-        docs = [unicodedata.normalize("NFC", t) for t in iter_documents(corpus_files(cfg.eval_text))]
-        return bpb.doc_stream(encode_plain(tok, docs), eos)
+        docs = [unicodedata.normalize("NFC", t) for t in tk.iter_documents(tk.corpus_files(cfg.eval_text))]
+        return bpb.doc_stream(tk.encode_plain(tok, docs), eos)
     val = TokenStream(cfg.data, "val")
     if val.num_tokens == 0:
         raise UsageError(f"{cfg.data}: the val split is empty; pass --eval-text or re-encode with a val split")
@@ -208,15 +165,15 @@ def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, cfg: TrainConfi
 
 def eval_only(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     need_dir(cfg.base_model, "--base-model", "the model to evaluate")
-    tok = load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "the model's own tokenizer"))
-    check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
+    tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "the model's own tokenizer"))
+    tk.check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
     vocab = read_config(cfg.base_model).vocab_size
     if tok.get_vocab_size(with_added_tokens=True) > vocab:
         raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but {cfg.base_model} "
                          f"only {vocab} embedding rows: is --tokenizer the model's own?")
     cfg.phase, cfg.base_tokenizer = 2, None  # evaluate the model as it is: no vocabulary transfer
     model = build(cfg, d, vocab, log)
-    log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), token_byte_lengths(tok), cfg, d, log, 0))
+    log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), tk.token_byte_lengths(tok), cfg, d, log, 0))
 
 
 # ---------------------------------------------------------------- training
@@ -234,37 +191,41 @@ def train_step(model, optimizer, stream: BatchStream, step: int, params: list, c
     return float(loss_sum), float(parallel.full_tensor(grad_norm))
 
 
-def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
-    tok = load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
+def load_inputs(cfg: TrainConfig, d: parallel.Dist):
+    """Our tokenizer (checked against the shards), the training batches, and the val tokens with bytes per id."""
+    tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
     index = load_index(need_dir(cfg.data, "--data", "token shards, from tokenize.py encode"))
-    n_tok = tok.get_vocab_size(with_added_tokens=True)
-    check_tokenizer(index, tokenizer_hash(cfg.tokenizer), n_tok)
+    check_tokenizer(index, tk.tokenizer_hash(cfg.tokenizer), tok.get_vocab_size(with_added_tokens=True))
     check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
     stream = BatchStream(TokenStream(cfg.data, "train"), cfg.seq_len, cfg.global_batch, cfg.micro_batch,
                          d.rank, d.world_size, cfg.seed)
-    val_tokens, token_bytes = eval_tokens(cfg, tok), token_byte_lengths(tok)
-    model = build(cfg, d, embedding_rows(cfg, n_tok), log, tok)
+    return tok, stream, (eval_tokens(cfg, tok), tk.token_byte_lengths(tok))
+
+
+def run_identity(cfg: TrainConfig, model) -> tuple[dict, dict]:
+    """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
+    must = {"model": model.config.to_dict(), "phase": cfg.phase,
+            "base_model": checkpoint.model_fingerprint(cfg.base_model),
+            "data": checkpoint.file_sha256(os.path.join(cfg.data, "index.json")),
+            "tokenizer": tk.tokenizer_hash(cfg.tokenizer)}
+    return must, {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
+
+
+def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
+    tok, stream, val = load_inputs(cfg, d)
+    model = build(cfg, d, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, d.device.type == "cuda")
-    log.log("config", **dataclasses.asdict(cfg))
-    log.log("model", params=model.config.num_params(), trainable=sum(p.numel() for p in params),
-            world=d.world_size, micro_batch=cfg.micro_batch, accum=stream.accum_steps,
-            tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, device=d.device.type)
-    # What a checkpoint must agree on to be continued, and what may change (with a warning).
-    must = {"model": model.config.to_dict(), "phase": cfg.phase, "base_model": fingerprint(cfg.base_model),
-            "data": hashlib.sha256(open(os.path.join(cfg.data, "index.json"), "rb").read()).hexdigest(),
-            "tokenizer": tokenizer_hash(cfg.tokenizer)}
-    may = {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
+    must, may = run_identity(cfg, model)
     ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
     ckpt = Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
-    start = resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)[0] if cfg.resume == "auto" else 0
+    start = checkpoint.resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)[0] if cfg.resume == "auto" else 0
     if start:
         log.log("resume", **{"from": os.path.join(ckpt_dir, f"step-{start:08d}")}, step=start)
     else:
-        log.log("eval", step=0, **evaluate(model, val_tokens, token_bytes, cfg, d, log, 0))
-    stop = sigterm_flag()
-    meter = Progress(cfg.steps, start, every=cfg.log_every)
-    last_save, pending = time.monotonic(), None  # pending: the step whose checkpoint is still being written
+        log.log("eval", step=0, **evaluate(model, *val, cfg, d, log, 0))
+    stop, meter = sigterm_flag(), Progress(cfg.steps, start, every=cfg.log_every)
+    last_save, pending, stopping = time.monotonic(), None, 0.0  # pending: a checkpoint still being written
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         loss, grad_norm = train_step(model, optimizer, stream, step, params, cfg, d)
@@ -276,12 +237,13 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
         loss /= d.world_size
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # all ranks see the same reduced values
             ckpt.close()  # a checkpoint still being written is finished first: it is the last good one
+            last = checkpoint.latest_checkpoint(ckpt_dir) or "none"
             raise FloatingPointError(f"loss {loss} / grad norm {grad_norm} at step {step + 1}: stopped before the "
-                                     f"update; last good checkpoint: {latest_checkpoint(ckpt_dir) or 'none'}")
+                                     f"update; last good checkpoint: {last}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
-        if pending and not writing:  # every rank has finished writing it: rename it into place, point `latest`
+        if pending and not writing:  # every rank has written it: rename it into place, point `latest` at it
             log.log("checkpoint", step=pending, dir=ckpt.finalize())
             pending = None
         meter.add(time.perf_counter() - t0, loss=loss)
@@ -291,18 +253,18 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
                     grad_norm=round(grad_norm, 4), **throughput(cfg, model, d, window["steps_per_s"]),
                     eta=window["eta"])
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            log.log("eval", step=done, **evaluate(model, val_tokens, token_bytes, cfg, d, log, done))
+            log.log("eval", step=done, **evaluate(model, *val, cfg, d, log, done))
         if stopping or clock or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
             ckpt.save(done, model, optimizer, {**must, **may})
             last_save, pending = time.monotonic(), done
         if stopping:
-            log.log("checkpoint", step=done, dir=ckpt.finalize())
             log.info(f"stopped by signal {stop[0] or int(signal.SIGTERM)} at step {done}; resume with --resume auto")
-            return ckpt.close()
+            break
     if pending:
         log.log("checkpoint", step=pending, dir=ckpt.finalize())
     ckpt.close()
-    export(model, cfg, tok, d, log)
+    if not stopping:
+        export(model, cfg, tok, d, log)
 
 
 def sigterm_flag() -> list:
@@ -325,10 +287,10 @@ def throughput(cfg: TrainConfig, model, d, steps_per_s: float) -> dict:
 
 def export(model, cfg: TrainConfig, tok, d: parallel.Dist, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
-    save_pretrained(model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main,
-                    token_ids={"bos_id": tok.token_to_id(BOS), "eos_id": eos_id(tok)})
+    checkpoint.save_pretrained(model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main,
+                    token_ids={"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)})
     if d.is_main:
-        copy_tokenizer_files(cfg.tokenizer, cfg.out)
+        tk.copy_tokenizer_files(cfg.tokenizer, cfg.out)
     log.log("export", dir=cfg.out, dtype=cfg.export_dtype)
 
 
@@ -336,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     d = parallel.setup(cfg.device)
     log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=d.is_main)
+    log.log("config", **dataclasses.asdict(cfg))
     try:
         eval_only(cfg, d, log) if cfg.eval_only else train(cfg, d, log)
     finally:

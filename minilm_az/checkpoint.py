@@ -12,6 +12,7 @@ freely: DCP's `.metadata` admits only DCP's own classes, everything else loads w
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import pickle
@@ -710,3 +711,29 @@ def resume(ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_cha
         raise CheckpointError(f"{ckpt_dir}: no checkpoint could be loaded (tried {len(candidates)}); "
                               f"use --resume never or another --checkpoint-dir")
     return 0, None
+
+
+# ---------------------------------------------------------------- identities (what a resume must agree on)
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: str | None) -> str | None:
+    """A cheap identity of a HF model dir: config.json, and each weight file's size, first and last MiB."""
+    if not model_dir:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(model_dir)):
+        if name == "config.json" or name.endswith(".safetensors"):
+            path = os.path.join(model_dir, name)
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                h.update(f"{name}:{size}".encode() + f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read())
+    return h.hexdigest()

@@ -147,6 +147,18 @@ def remove_output(out_dir: str, stage: str, marker: str | None = None) -> list[s
     return removed
 
 
+def check_writable(path: str, flag: str) -> None:
+    """Found now, not at the first checkpoint hours in: can this directory be written?"""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(e.errno, f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
 # ---------------------------------------------------------------- staged directories
 
 def _remove_leftover_staging(out_dir: str) -> None:

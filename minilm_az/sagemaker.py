@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import re
 import shutil
@@ -148,7 +149,7 @@ def _env_pair(value: str) -> tuple[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argparse tree: one subcommand per stage, each with the common flags."""
-    p = argparse.ArgumentParser(
+    p = C.Parser(  # one-line errors, like the scripts'
         prog="python -m minilm_az.sagemaker", allow_abbrev=False,
         description="Launch a minilm-az stage as a SageMaker training job. Flags not listed here are "
                     "passed to the script as hyperparameters (--steps 1000 -> train.py --steps 1000).")
@@ -211,6 +212,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if args.instance_count < 1:
         parser.error("--instance-count must be at least 1")
+    if args.role and not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/\S+", args.role):
+        parser.error(f"--role wants the role's ARN (arn:aws:iam::ACCOUNT:role/NAME), got {args.role!r}")
+    if args.region:
+        try:
+            import botocore.session
+
+            known = botocore.session.get_session().get_available_regions("sagemaker")
+        except ImportError:  # no SDK here: the launch itself will say so
+            known = [args.region]
+        if args.region not in known:
+            parser.error(f"--region {args.region!r} is not a SageMaker region (e.g. us-east-1, eu-west-1)")
     if args.max_wait_hours is not None and not args.spot:
         parser.error("--max-wait-hours only applies with --spot")
     if args.spot and args.max_wait_hours is not None and args.max_wait_hours < args.max_run_hours:
@@ -414,6 +426,7 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
         if not (root / name).is_file():
             raise SystemExit(f"error: {root / name} does not exist; launch from a checkout of the project")
     os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
+    logging.getLogger("sagemaker.config").setLevel(logging.WARNING)  # its INFO lines would spoil --dry-run > file
     import boto3
     import sagemaker
     from sagemaker.config import TRAINING_JOB_ROLE_ARN_PATH
@@ -509,7 +522,12 @@ def container_command(plan: JobPlan, hyperparameters: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m minilm_az.sagemaker STAGE ...`: launch the job and print where things go."""
     args = parse_args(argv)
-    launched = launch(args)
+    try:
+        launched = launch(args)
+    except Exception as e:  # botocore/SDK errors (bad region, role, credentials) are one line here, not 190
+        print(f"python -m minilm_az.sagemaker: error: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
+              file=sys.stderr)
+        return 2
     plan, req = launched.plan, launched.request
     if args.dry_run:
         print(json.dumps(req, indent=2, default=str))
