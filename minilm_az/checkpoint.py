@@ -681,6 +681,16 @@ def _read_train_state(path: str) -> dict:
         raise CheckpointError(f"{path}/train_state.json: unreadable ({e})") from None
 
 
+def _newer_incomplete(ckpt_dir: str, complete: list[str]) -> list[str]:
+    """Finished step dirs newer than the newest complete checkpoint that are not complete themselves."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    names = _step_dirs(ckpt_dir)
+    newest = os.path.basename(complete[0]) if complete else None
+    newer = names[:names.index(newest)] if newest in names else names
+    return [os.path.join(ckpt_dir, n) for n in newer if os.path.join(ckpt_dir, n) not in complete]
+
+
 def resume(ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_change: dict,
            warn) -> tuple[int, dict | None]:
     """Load the newest loadable complete checkpoint of ckpt_dir; (step, train_state), or (0, None) if none.
@@ -690,6 +700,9 @@ def resume(ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_cha
     fails to load gives a warning and the previous one is tried. `warn(line)` is called on rank 0 only.
     """
     candidates = _on_rank0(lambda: complete_checkpoints(ckpt_dir), rank)
+    if rank == 0:
+        for path in _newer_incomplete(ckpt_dir, candidates):
+            warn(f"warning: {path} is incomplete (a save or a sync that did not finish); skipped")
     for path in candidates:
         saved = _on_rank0(functools.partial(_read_train_state, path), rank)
         changed = _check_state(path, saved, must_match, may_change)
