@@ -259,7 +259,7 @@ def section_tokenizer(r: Run, img) -> list[str]:
 def _transfer_counts(s: Stage) -> str:
     """The vocabulary transfer's counts from its `vocab_transfer` records, as a sentence."""
     words = {"copied": "copied from the base", "averaged": "the mean of the base rows of their pieces",
-             "special_mean": "specials the base lacks, at the mean row"}
+             "special_mean": "at the mean row (specials the base lacks)"}
     parts = []
     for rec in s.all("vocab_transfer"):
         counts = ", ".join(f"{rec[k]:,} {w}" for k, w in words.items() if isinstance(rec.get(k), int))
@@ -336,8 +336,9 @@ def _phase_story(r: Run) -> list[str]:
     uni, start, end = p1.shards.unigram_bpb, p1.val_bpb(0), p1.val_bpb()
     out = []
     if start is not None:
-        out.append(f"The transfer alone (phase 1 at step 0, before any update) scores {start:.3f}; "
-                   f"{_n(steps_of(p1))} steps on the embeddings take it to {end:.3f} ({end - start:+.3f}).")
+        out.append(f"The transfer alone (phase 1 at step 0, before any update) scores {start:.3f}, "
+                   f"{against_floors(start, p1.shards)}; {_n(steps_of(p1))} steps on the embeddings take it to "
+                   f"{end:.3f} ({end - start:+.3f}).")
     side = "still above" if end > uni else "below"
     out.append(f"Phase 1 ends {side} the unigram floor of our tokens ({uni:.3f}).")
     if p2 and p2.val_bpb() is not None:
@@ -381,10 +382,11 @@ def _window_note(r: Run) -> list[str]:
     ours, base = (r.stages.get(k) for k in ("phase2", "base"))
     reach = [f"{n * s.shards.bytes_per_token('val'):.0f} bytes of val text with {who}" for s, who in
              ((ours, "our tokens"), (base, f"{r.base_name}'s")) if s and s.shards and s.shards.bytes_per_token("val")]
-    return [f"**The eval window.** BPB is measured on consecutive windows of **{n} tokens** of the val stream (the "
-            "training sequence length): a token is predicted from at most the tokens before it in its window, so BPB "
-            "depends on the window length, and a longer window scores lower. Compare these numbers only with numbers "
-            f"measured in the same window. {n} tokens span " + " and ".join(reach or ["–"])
+    same = " (the training sequence length)" if n == r.cfg.get("seq_len") else ""
+    return [f"**The eval window.** BPB is measured on consecutive windows of **{n} tokens** of the val stream{same}: "
+            "a token is predicted from at most the tokens before it in its window, so BPB depends on the window "
+            "length, and a longer window scores lower. Compare these numbers only with numbers measured in the same "
+            f"window. {n} tokens span " + " and ".join(reach or ["–"])
             + " (on average): at one window length, a tokenizer with longer tokens also gives its model more context.",
             ""]
 
