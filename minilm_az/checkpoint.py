@@ -473,6 +473,9 @@ class Checkpointer:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=cuda))
+            # torch 2.11's async_save closes the stager it is given after each write (2.13 leaves it to its
+            # owner), which frees the pinned buffers and breaks the next save: only close() here releases it.
+            self._release_stager, self._stager.close = self._stager.close, lambda: None
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -548,7 +551,7 @@ class Checkpointer:
 
         self.finalize()
         if self._stager is not None:
-            self._stager.close()
+            self._release_stager()
             self._stager = None
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
