@@ -274,14 +274,15 @@ def section_pretraining(r: Run, img) -> list[str]:
     if not cpt:
         return []
     cfg = r.cfg
+    lr = {n: s.last("config").get("lr", "–") for n, s in r.stages.items()}  # each run's own flags
     out = ["## 2. Pretraining: base, the two phases, and a control", "",
            "Phase 1 maps the base model's embeddings onto our vocabulary (a token the base vocabulary also has is "
            "copied; a new one is the mean of the base tokens it splits into) and trains only the embeddings; phase 2 "
            f"trains everything. The control trains the same model shape from random init with our tokenizer for "
            f"phase 1 + phase 2's {_n(cfg.get('control_steps'))} steps on the same data, every weight from the first "
-           f"step (peak lr {cfg.get('control_lr', '–')}, the base's from-scratch lr; phase 1 used "
-           f"{cfg.get('phase1_lr', '–')}, phase 2 {cfg.get('phase2_lr', '–')}; each a warmup then a cosine): what "
-           "the model reaches without the transfer.", ""]
+           f"step: what the model reaches without the transfer. Peak learning rates: phase 1 {lr.get('phase1', '–')}, "
+           f"phase 2 {lr.get('phase2', '–')}, control {lr.get('control', '–')}, each a warmup then a cosine over "
+           "its own steps.", ""]
     counts = _transfer_counts(r.stages["phase1"]) if "phase1" in r.stages else ""
     out += [counts, ""] if counts else []
     out += ["Train loss is drawn in bits per byte (loss in nats per token ÷ ln 2 ÷ the train text's bytes per token), "

@@ -73,6 +73,7 @@ def test_the_control_trains_from_random_init_for_both_phases_steps_and_has_its_r
     assert [r["step"] for r in control if r["kind"] == "train"][-1] == demo.QUICK.phase1_steps + demo.QUICK.phase2_steps
     argv = next(s["argv"] for s in json.loads(read(os.path.join(run, "demo.json")))["stages"] if s["name"] == "control")
     assert "--base-model" not in argv and argv[argv.index("--data") + 1] == os.path.join(run, "shards")
+    assert argv[argv.index("--lr") + 1] == str(demo.QUICK.phase2_lr)  # phase 2's schedule, over both phases' steps
     bpb = last_eval(run, "control")["val_bpb"]
     text = read(os.path.join(run, "report.md"))
     assert re.search(rf"\| control: random init \|[^\n]*\| {bpb:.3f} \|", text)
