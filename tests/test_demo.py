@@ -114,7 +114,8 @@ def test_the_report_states_the_eval_window_and_plots_step0_evals(run):
         evals = [r for r in read_jsonl(os.path.join(run, stage, "metrics.jsonl")) if r["kind"] == "eval"]
         if evals[0]["step"] != 0:
             pytest.xfail("train.py writes no step-0 eval yet")
-        row = next(ln for ln in text.splitlines() if ln.startswith(f"| {report.LABELS[stage]} |"))
+        bpb_section = text[text.index("## 3. Bits per byte"):]
+        row = next(ln for ln in bpb_section.splitlines() if ln.startswith(f"| {report.LABELS[stage]} |"))
         assert row.split(" | ")[1] == f"{evals[0]['val_bpb']:.3f}", row
 
 
