@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -167,9 +168,16 @@ def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dic
     return convs, skipped
 
 
+_VAL_WORD = re.compile(r"(val|valid|validation)(set)?\d*")
+
+
 def is_val_file(name: str) -> bool:
-    stem = os.path.basename(name).removesuffix(".jsonl")
-    return stem.startswith(("val", "valid")) or stem.endswith(("_val", "_valid", "-val"))
+    """`val.jsonl`, `val1.jsonl`, `valid_b.jsonl`, `az_chat_val.jsonl`: "val" as the first or last word of the name.
+
+    A word, not a prefix: `values.jsonl` and `part_b_values.jsonl` are training data.
+    """
+    words = re.split(r"[-_.]", os.path.basename(name).removesuffix(".jsonl").lower())
+    return bool(_VAL_WORD.fullmatch(words[0]) or _VAL_WORD.fullmatch(words[-1]))
 
 
 def chat_files(data: str, val_data: str | None) -> tuple[list[str], list[str]]:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
 import shutil
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minilm_az.kernels import TORCH_OPS, Ops
@@ -39,31 +40,59 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------- Hugging Face config.json
 
 def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
-    """ModelConfig from a HF Llama config dict; reads both `rope_scaling` and 5.x `rope_parameters`."""
+    """ModelConfig from a HF Llama config dict; reads both `rope_scaling` and 5.x `rope_parameters`.
+
+    Every field is type-checked here ("hidden_size": "64" is refused naming the file and field), so a
+    hand-edited config fails with one CheckpointError, not a TypeError deep inside the model.
+    """
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+
+    def integer(key, value, lo=1):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise CheckpointError(f"{path}: field {key!r} must be an integer >= {lo}, got {value!r}")
+        return value
+
+    def number(key, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{path}: field {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
     def need(key):
         if key not in hf or hf[key] is None:
             raise CheckpointError(f"{path}: missing field {key!r}")
-        return hf[key]
+        return integer(key, hf[key])
+
+    def optional(key, default, check=integer):
+        return default if hf.get(key) is None else check(key, hf[key])
 
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{path}: field 'rope_scaling' must be an object or null, got {rope!r}")
     theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(f"{path}: rope type {rope_type!r} is not supported (default or llama3)")
     heads = need("num_attention_heads")
     dim = need("hidden_size")
-    head_dim = hf.get("head_dim")
+    head_dim = optional("head_dim", None)
+    tie = hf.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{path}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
     llama3 = rope_type == "llama3"
+    if llama3 and "factor" not in rope:
+        raise CheckpointError(f"{path}: llama3 rope_scaling without 'factor'")
     return ModelConfig(
         dim=dim, n_layers=need("num_hidden_layers"), n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=need("intermediate_size"),
-        vocab_size=need("vocab_size"), rope_theta=float(theta),
-        rope_factor=float(rope["factor"]) if llama3 else None,
-        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_seq_len=int(rope.get("original_max_position_embeddings", 8192)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        n_kv_heads=optional("num_key_value_heads", heads), ffn_dim=need("intermediate_size"),
+        vocab_size=need("vocab_size"), rope_theta=number("rope_theta", theta),
+        rope_factor=number("rope_scaling.factor", rope["factor"]) if llama3 else None,
+        rope_low_freq_factor=number("rope_scaling.low_freq_factor", rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=number("rope_scaling.high_freq_factor", rope.get("high_freq_factor", 4.0)),
+        rope_original_max_seq_len=integer("rope_scaling.original_max_position_embeddings",
+                                          rope.get("original_max_position_embeddings", 8192)),
+        norm_eps=optional("rms_norm_eps", 1e-5, number), tie_embeddings=tie,
+        max_seq_len=optional("max_position_embeddings", 2048),
         head_dim_override=head_dim if head_dim and head_dim != dim // heads else None,
     )
 
@@ -98,21 +127,35 @@ def read_config(path: str) -> ModelConfig:
     try:
         with open(f, encoding="utf-8") as fh:
             hf = json.load(fh)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f}: not valid JSON ({e})") from None
     return config_from_hf(hf, f)
 
 
 # ---------------------------------------------------------------- safetensors in
 
+@contextmanager
+def _safetensors(file: str):
+    """safe_open, with a corrupt or truncated file (or a tensor that cannot be read) as one CheckpointError."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-export or re-download it") from None
+
+
 def weight_files(path: str) -> dict[str, str]:
     """Tensor name -> safetensors file, from model.safetensors or a sharded index."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as fh:
-            wm = json.load(fh).get("weight_map")
-        if not isinstance(wm, dict):
+        try:
+            with open(index, encoding="utf-8") as fh:
+                wm = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{index}: no 'weight_map'")
         out = {name: os.path.join(path, file) for name, file in wm.items()}
         for file in sorted(set(out.values())):
@@ -120,7 +163,7 @@ def weight_files(path: str) -> dict[str, str]:
                 raise CheckpointError(f"{index}: shard {os.path.basename(file)} is missing")
         return out
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
+        with _safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
@@ -132,9 +175,16 @@ def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _safetensors(file) as f:
+            keys = set(f.keys())
             for name in names:
-                yield name, f.get_tensor(name)
+                if name not in keys:
+                    raise CheckpointError(f"{file}: no tensor {name!r} (the index names it in this file)")
+                try:
+                    tensor = f.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e})") from None
+                yield name, tensor
 
 
 def read_tensor(path: str, name: str) -> torch.Tensor:
@@ -142,7 +192,9 @@ def read_tensor(path: str, name: str) -> torch.Tensor:
     files = weight_files(path)
     if name not in files:
         raise CheckpointError(f"{path}: no tensor {name!r}")
-    with safe_open(files[name], framework="pt") as f:
+    with _safetensors(files[name]) as f:
+        if name not in f.keys():
+            raise CheckpointError(f"{files[name]}: no tensor {name!r} (the index names it in this file)")
         return f.get_tensor(name)
 
 
@@ -377,6 +429,25 @@ def _step_dirs(ckpt_dir: str) -> list[str]:
     return sorted(names, key=lambda d: int(_STEP_DIR.fullmatch(d).group(1)), reverse=True)
 
 
+def _read_pointer(pointer: str) -> str:
+    """The step dir name `latest` holds. Anything else (binary, a path, another file copied over it) is refused:
+    which checkpoint it meant cannot be known, and guessing could resume the wrong one."""
+    try:
+        with open(pointer, "rb") as fh:
+            raw = fh.read(256)
+    except OSError as e:
+        raise CheckpointError(f"{pointer}: unreadable checkpoint pointer ({e.strerror})") from None
+    try:
+        target = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        target = None
+    if target is None or not _STEP_DIR.fullmatch(target):
+        raise CheckpointError(f"{pointer}: not a checkpoint pointer (expected a name like step-00001000, got "
+                              f"{raw[:40]!r}); delete it to resume from the newest complete checkpoint, or use "
+                              f"--resume never")
+    return target
+
+
 def complete_checkpoints(ckpt_dir: str | None) -> list[str]:
     """Complete checkpoints of ckpt_dir, newest first: the one `latest` names, then the others by step."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
@@ -384,8 +455,7 @@ def complete_checkpoints(ckpt_dir: str | None) -> list[str]:
     names = _step_dirs(ckpt_dir)
     pointer = os.path.join(ckpt_dir, "latest")
     if os.path.isfile(pointer):
-        with open(pointer) as fh:
-            target = fh.read().strip()
+        target = _read_pointer(pointer)
         if target in names:
             names = [target] + [n for n in names if n != target]
     return [os.path.join(ckpt_dir, n) for n in names if is_complete(os.path.join(ckpt_dir, n))]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -244,13 +244,23 @@ def read_adapter_config(path: str) -> dict:
     try:
         with open(f, encoding="utf-8") as fh:
             cfg = json.load(fh)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
     if cfg.get("peft_type") != "LORA":
         raise AdapterError(f"{f}: peft_type is {cfg.get('peft_type')!r}, only LORA adapters are supported")
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in cfg:
             raise AdapterError(f"{f}: missing field {key!r}")
+    if isinstance(cfg["r"], bool) or not isinstance(cfg["r"], int) or cfg["r"] < 1:
+        raise AdapterError(f"{f}: field 'r' must be an integer >= 1, got {cfg['r']!r}")
+    alpha = cfg["lora_alpha"]
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(f"{f}: field 'lora_alpha' must be a number, got {alpha!r}")
+    targets = cfg["target_modules"]
+    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise AdapterError(f"{f}: field 'target_modules' must be a list of module names, got {targets!r}")
     if cfg.get("use_dora") or cfg.get("use_rslora") or cfg.get("bias", "none") != "none":
         raise AdapterError(f"{f}: DoRA, rsLoRA and LoRA biases are not supported")
     return cfg
@@ -267,15 +277,25 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
         raise AdapterError(f"{path}: no {WEIGHTS_FILE}")
     targets = cfg["target_modules"]
     targets = [targets] if isinstance(targets, str) else list(targets)
-    with safe_open(wfile, framework="pt") as f:
-        meta = f.metadata() or {}
-        if "minilm_az.base" in meta:
-            theirs, ours = json.loads(meta["minilm_az.base"]), _base_fingerprint(model)
-            diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
-            if diff:
-                raise AdapterError(f"{wfile}: adapter was trained on a different base model "
-                                   f"(adapter vs this model: {diff})")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(wfile, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:  # truncated, corrupt, or not a safetensors file at all
+        raise AdapterError(f"{wfile}: not a readable safetensors file ({e}); retrain or re-download the adapter") \
+            from None
+    if "minilm_az.base" in meta:
+        try:
+            theirs = json.loads(meta["minilm_az.base"])
+        except json.JSONDecodeError:
+            theirs = None
+        if not isinstance(theirs, dict):
+            raise AdapterError(f"{wfile}: corrupt 'minilm_az.base' metadata {meta['minilm_az.base'][:60]!r}")
+        ours = _base_fingerprint(model)
+        diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
+        if diff:
+            raise AdapterError(f"{wfile}: adapter was trained on a different base model "
+                               f"(adapter vs this model: {diff})")
     if not hasattr(model, "lora_config"):
         try:
             apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"],

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import unicodedata
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -390,8 +391,8 @@ def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str
                     yield doc
             if paragraph:
                 yield "\n".join(paragraph)
-        except (EOFError, gzip.BadGzipFile, OSError) as e:
-            raise CorpusError(f"{path}: cannot read ({e})") from None
+        except (EOFError, gzip.BadGzipFile, OSError, zlib.error) as e:  # zlib.error: a corrupt deflate stream
+            raise CorpusError(f"{path}: cannot read ({e}); is it a complete, uncorrupted file?") from None
         if on_bytes is not None:
             on_bytes(raw.tell() - reported)
 
