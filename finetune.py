@@ -21,22 +21,12 @@ import time
 
 import torch
 
-from minilm_az import parallel
+from minilm_az import lora, parallel
 from minilm_az.chat import ChatFormatError, NothingToTrain, chat_files, encode_chat, read_chat_files
-from minilm_az.checkpoint import CheckpointError, load_pretrained, load_weights_into, read_config, save_pretrained
+from minilm_az.checkpoint import load_pretrained, load_weights_into, read_config, save_pretrained
 from minilm_az.config import FinetuneConfig, make_parser, parse_config
 from minilm_az.kernels import select_ops
 from minilm_az.logs import MetricLogger, Progress, print_error
-from minilm_az.lora import (
-    AdapterError,
-    apply_lora,
-    count_parameters,
-    load_adapter,
-    lora_parameters,
-    merge_lora,
-    reset_lora_parameters,
-    save_adapter,
-)
 from minilm_az.model import materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
 from minilm_az.outputs import atomic_write_json
@@ -63,8 +53,8 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     if os.path.abspath(cfg.out) in (os.path.abspath(cfg.model), os.path.abspath(cfg.data)):
         p.error(f"--out {cfg.out} is also an input: the adapter would overwrite it")
     try:
-        cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, int(os.environ.get("WORLD_SIZE", 1)),
-                                                  cfg.micro_batch, largest=4)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=4)
     except ValueError as e:
         p.error(str(e))
     return cfg
@@ -99,11 +89,14 @@ def load_data(cfg: FinetuneConfig, tok, max_len: int, log: MetricLogger) -> tupl
     val, val_dropped = encode_all(val_convs, tok, max_len, cfg.last_turn_only)
     if not examples:
         raise ChatFormatError(f"no trainable conversation left in {', '.join(train_files)}")
-    log.log("data", train_files=",".join(train_files), val_files=",".join(val_files) or None,
-            val_held_out_of_train=held_out or None, train=len(examples), val=len(val),
-            skipped_bad_lines=len(skipped + val_skipped), dropped_truncated=dropped + val_dropped, max_len=max_len,
-            train_tokens=sum(len(i) for i, _ in examples),
-            target_tokens=sum(sum(x != IGNORE for x in lab) for _, lab in examples))
+    # The files used, by name (a data dir's layout is a choice worth seeing), and what became of every line.
+    log.log("data_files", train=",".join(train_files), val=",".join(val_files) or None, held_out=held_out or None)
+    targets = sum(sum(x != IGNORE for x in lab) for _, lab in examples)
+    bad, dropped = len(skipped + val_skipped), dropped + val_dropped
+    log.log(
+        "data", train=len(examples), val=len(val), skipped_bad_lines=bad, dropped_truncated=dropped, max_len=max_len
+    )
+    log.log("data_tokens", train_tokens=sum(len(i) for i, _ in examples), target_tokens=targets)
     return examples, val
 
 
@@ -125,7 +118,7 @@ def batch_order(n: int, step: int, global_batch: int, seed: int) -> list[int]:
     while len(idx) < global_batch:
         epoch, offset = divmod(start + len(idx), n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-        idx += perm[offset: offset + global_batch - len(idx)]
+        idx += perm[offset : offset + global_batch - len(idx)]
     return idx
 
 
@@ -136,15 +129,17 @@ def build(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger):
     """LoRA on the meta model, shard, allocate, load the base, then initialise the adapters."""
     model = meta_model(read_config(cfg.model), select_ops(d.device, cfg.liger, compile=cfg.compile))
     targets = [t.strip() for t in cfg.targets.split(",") if t.strip()]
-    apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets)
-    trainable, total = count_parameters(model)
-    log.log("model", params=total, trainable=trainable, trainable_pct=round(100 * trainable / total, 3),
-            lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, targets=",".join(targets),
-            world=d.world_size, micro_batch=cfg.micro_batch, device=d.device.type, ops=model.ops.name)
+    lora.apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets)
+    trainable, total = lora.count_parameters(model)
+    pct = round(100 * trainable / total, 3)
+    log.log(
+        "model", params=total, trainable=trainable, trainable_pct=pct, targets=",".join(targets), ops=model.ops.name
+    )
+    log.log("batch", world=d.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
     parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile)
     materialize(model, d.device, init=False)
     load_weights_into(model, cfg.model)
-    reset_lora_parameters(model, seed=cfg.seed)
+    lora.reset_lora_parameters(model, seed=cfg.seed)
     return model.train()
 
 
@@ -156,7 +151,7 @@ def evaluate(model, val: list, cfg: FinetuneConfig, d: parallel.Dist, pad_id: in
     nll, n = 0.0, 0
     for b in range(math.ceil(len(val) / per_call)):
         s = b * per_call + d.rank * cfg.micro_batch
-        chunk = val[s: s + cfg.micro_batch] or [([pad_id, pad_id], [IGNORE, IGNORE])]  # FSDP needs every rank
+        chunk = val[s : s + cfg.micro_batch] or [([pad_id, pad_id], [IGNORE, IGNORE])]  # FSDP needs every rank
         x, y = collate(chunk, pad_id, d.device)
         nll += float(model(x, targets=y, reduction="sum"))
         n += int((y != IGNORE).sum())
@@ -170,7 +165,7 @@ def train_step(model, batch: list, params: list, cfg: FinetuneConfig, d, pad_id:
     n_targets = sum(sum(x != IGNORE for x in lab[1:]) for _, lab in batch)
     nll = 0.0
     for s in range(d.rank * cfg.micro_batch, len(batch), d.world_size * cfg.micro_batch):
-        x, y = collate(batch[s: s + cfg.micro_batch], pad_id, d.device)
+        x, y = collate(batch[s : s + cfg.micro_batch], pad_id, d.device)
         loss_sum = model(x, targets=y, reduction="sum")
         # FSDP averages gradients over ranks: scaling by world size makes the step the mean over every target
         # token of the global batch, however it is split.
@@ -188,16 +183,15 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
     check_model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer")
     tok, mcfg = load_tokenizer(cfg.tokenizer), read_config(cfg.model)
     if tok.get_vocab_size() > mcfg.vocab_size:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} has vocab_size="
-                         f"{mcfg.vocab_size}: not the tokenizer this model was trained with")
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} only {mcfg.vocab_size} rows")
     log.log("config", **dataclasses.asdict(cfg))
     examples, val = load_data(cfg, tok, min(cfg.max_seq_len, mcfg.max_seq_len), log)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, d, log)
-    params = lora_parameters(model)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay,
-                            fused=d.device.type == "cuda" or None)
+    params = lora.lora_parameters(model)
+    fused = d.device.type == "cuda" or None
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay, fused=fused)
     if val:
         log.log("eval", step=0, val_loss=evaluate(model, val, cfg, d, pad_id))
     meter, t0 = Progress(steps, every=cfg.log_every), time.time()
@@ -208,17 +202,15 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
         batch = [examples[i] for i in batch_order(len(examples), step, cfg.global_batch, cfg.seed)]
         loss, gn, n_tokens = train_step(model, batch, params, cfg, d, pad_id)
         if not (math.isfinite(loss) and math.isfinite(gn)):  # nothing non-finite is applied or saved
-            raise FloatingPointError(f"loss {loss} / grad norm {gn} at step {step + 1}: stopped before the update, "
-                                     f"nothing saved; try a lower --lr")
+            msg = f"loss {loss} / grad norm {gn} at step {step + 1}: stopped before the update"
+            raise FloatingPointError(f"{msg}, nothing saved; try a lower --lr")
         opt.step()
         opt.zero_grad(set_to_none=True)
         done, dt = step + 1, time.perf_counter() - t_step
         meter.add(dt, loss=loss)
         if meter.due(done):
-            window = meter.flush(done)
-            log.log("finetune", step=done, loss=window["loss"], lr=lr, grad_norm=gn,
-                    tokens_per_s=round(n_tokens / dt), step_s=round(dt, 3), progress=f"{done}/{steps}",
-                    eta=window["eta"])
+            w, tps = meter.flush(done), round(n_tokens / dt)
+            log.log("finetune", step=done, loss=w["loss"], lr=lr, grad_norm=gn, tokens_per_s=tps, eta=w["eta"])
         if val and (done % cfg.eval_every == 0 or done == steps):
             log.log("eval", step=done, val_loss=evaluate(model, val, cfg, d, pad_id))
     save(model, cfg, tok, d, log, time.time() - t0)
@@ -226,19 +218,18 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
 
 def save(model, cfg: FinetuneConfig, tok, d: parallel.Dist, log: MetricLogger, seconds: float) -> None:
     """The adapter (every rank gathers, rank 0 writes), the tokenizer beside it, then the optional merged model."""
-    save_adapter(model, cfg.out, base_model_name_or_path=os.path.abspath(cfg.model), is_writer=d.is_main)
+    lora.save_adapter(model, cfg.out, base_model_name_or_path=os.path.abspath(cfg.model), is_writer=d.is_main)
     if d.is_main:
         copy_tokenizer_files(cfg.tokenizer, cfg.out)
         atomic_write_json(os.path.join(cfg.out, "finetune_args.json"), dataclasses.asdict(cfg))
-        log.log("export", dir=cfg.out, trainable=sum(p.numel() for p in lora_parameters(model)),
-                seconds=round(seconds, 1))
+        log.log("export", dir=cfg.out, seconds=round(seconds, 1))
         if cfg.merge:
             merged = os.path.join(cfg.out, "merged")
             base = load_pretrained(cfg.model)
-            load_adapter(base, cfg.out)
-            merge_lora(base)
-            ids = {"bos_id": tok.token_to_id(BOS), "eos_id": [tok.token_to_id(EOT), tok.token_to_id(EOS)],
-                   "pad_id": tok.token_to_id(PAD)}
+            lora.load_adapter(base, cfg.out)
+            lora.merge_lora(base)
+            eos = [tok.token_to_id(EOT), tok.token_to_id(EOS)]
+            ids = {"bos_id": tok.token_to_id(BOS), "eos_id": eos, "pad_id": tok.token_to_id(PAD)}
             save_pretrained(base, merged, dtype=read_config_dtype(cfg.model), token_ids=ids)
             copy_tokenizer_files(cfg.tokenizer, merged)
             atomic_write_json(os.path.join(merged, MERGED_MARK), {"adapter": os.path.abspath(cfg.out)})
@@ -267,7 +258,7 @@ def try_model(cfg: FinetuneConfig) -> None:
     tok = load_tokenizer(cfg.tokenizer)
     model = load_pretrained(cfg.model, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if cfg.adapter:
-        load_adapter(model, cfg.adapter, dropout=0.0)
+        lora.load_adapter(model, cfg.adapter, dropout=0.0)
         model.to(next(model.parameters()).dtype)
     print(f"# model {cfg.model}" + (f" + adapter {cfg.adapter}" if cfg.adapter else " (no adapter)"), file=sys.stderr)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
@@ -291,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             log.close()
             parallel.teardown()
-    except (ChatFormatError, CheckpointError, AdapterError, FileNotFoundError, ValueError, FloatingPointError,
-            OSError) as e:
+    except (ValueError, FloatingPointError, OSError) as e:  # ChatFormatError, CheckpointError, AdapterError...
         print_error("finetune.py", e)
         return 2
     return 0

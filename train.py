@@ -6,9 +6,8 @@
         --data SHARDS --out PHASE2                        # everything trains
     python train.py --eval-only --base-model M --tokenizer M --eval-text FILE    # bits per byte
 
-Reads top to bottom: flags and the defaults they resolve to, the inputs and their checks, the model
-(vocabulary transfer in phase 1), evaluation, one training step, then `train`: resume, the loop (step,
-log, eval, checkpoint) and the export.
+Reads top to bottom: flags and their defaults, the inputs and their checks, the model (vocabulary transfer
+in phase 1), evaluation, one step, then `train`: resume, the loop (step, log, eval, checkpoint), export.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import resource
 import signal
 import sys
 import time
@@ -27,21 +25,19 @@ import torch
 
 from minilm_az import bpb, checkpoint, parallel
 from minilm_az import tokenizer as tk
-from minilm_az.checkpoint import Checkpointer, CheckpointError, load_weights_into, read_config
+from minilm_az.checkpoint import Checkpointer, load_weights_into, read_config
 from minilm_az.config import PHASE_DEFAULTS, TrainConfig, in_sagemaker, make_parser, parse_config
 from minilm_az.data import BatchStream
 from minilm_az.kernels import select_ops
-from minilm_az.logs import MetricLogger, Progress, print_error, ticker
+from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
 from minilm_az.outputs import check_writable
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
 
-PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200 SXM, the MFU denominator
 
-
-class UsageError(Exception):
+class UsageError(ValueError):
     """A problem with the flags or inputs, reported as one line without a traceback."""
 
 
@@ -53,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     cfg = parse_config(TrainConfig, p, argv)
     try:
         resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    except (UsageError, ValueError) as e:  # CheckpointError is a ValueError
+    except ValueError as e:  # UsageError and CheckpointError are ValueErrors
         p.error(str(e))
     return cfg
 
@@ -61,8 +57,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def resolve(cfg: TrainConfig, world: int) -> None:
     """Defaults that depend on the phase, the model and the number of processes; flag errors before any work."""
     if cfg.phase == 1 and not cfg.eval_only and not (cfg.base_model and cfg.base_tokenizer):
-        raise UsageError("--phase 1 needs --base-model and --base-tokenizer (the base's own tokenizer): it trains "
-                         "the embeddings of a pretrained backbone for our vocabulary")
+        raise UsageError("--phase 1 trains a base model's embeddings: it needs --base-model and --base-tokenizer")
     cfg.out = cfg.out or os.path.join("runs", f"phase{cfg.phase}")
     cfg.checkpoint_dir = cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
     cfg.steps = cfg.steps or PHASE_DEFAULTS[cfg.phase]["steps"]
@@ -96,8 +91,8 @@ def embedding_rows(cfg: TrainConfig, n_tok: int) -> int:
         tk.check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
         vocab = read_config(cfg.base_model).vocab_size
         if vocab < n_tok:
-            raise UsageError(f"the tokenizer has {n_tok} ids but {cfg.base_model} only {vocab} embedding rows: "
-                             f"pass --base-tokenizer to transfer the vocabulary (phase 1)")
+            hint = "is it its own?" if cfg.eval_only else "pass --base-tokenizer to transfer the vocabulary (phase 1)"
+            raise UsageError(f"the tokenizer has {n_tok} ids but {cfg.base_model} only {vocab} embedding rows: {hint}")
         return vocab
     if cfg.base_model:
         tk.check_model_tokenizer(cfg.base_model, cfg.base_tokenizer, "--base-tokenizer")
@@ -118,8 +113,7 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
             for name in heads:
                 base_rows = checkpoint.read_tensor(cfg.base_model, name)
                 rows, stats = transfer_embedding(base_rows, base_tok, tok, vocab_size)
-                log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), base_vocab=mcfg.vocab_size,
-                        new_vocab=vocab_size)
+                log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), new_vocab=vocab_size)
                 overrides[name] = rows
             mcfg = mcfg.with_vocab(vocab_size)
     else:
@@ -132,9 +126,10 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     materialize(model, d.device, seed=cfg.seed, init=not cfg.base_model)
     if cfg.base_model:
         load_weights_into(model, cfg.base_model, overrides)
-    log.log("model", params=mcfg.num_params(), trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-            world=d.world_size, micro_batch=cfg.micro_batch, accum=cfg.global_batch // (cfg.micro_batch * d.world_size),
-            tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, device=d.device.type)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accum = cfg.global_batch // (cfg.micro_batch * d.world_size)
+    log.log("model", params=mcfg.num_params(), trainable=trainable, world=d.world_size, micro_batch=cfg.micro_batch)
+    log.log("batch", accum=accum, tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name)
     return model
 
 
@@ -156,23 +151,22 @@ def eval_tokens(cfg: TrainConfig, tok) -> np.ndarray:
 def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, cfg: TrainConfig, d, log, step: int) -> dict:
     """Val loss and bits per byte: bytes are those of exactly the targets scored (see bpb.py)."""
     cap = cfg.eval_batches * cfg.micro_batch if cfg.eval_batches else None
-    shares = bpb.total_nll(model, tokens, cfg.seq_len, cfg.micro_batch, d.device, d.rank, d.world_size, cap,
-                           token_bytes, ticker(log, "eval_progress", step=step))
+    tick = ticker(log, "eval_progress", step=step)
+    shares = bpb.total_nll(
+        model, tokens, cfg.seq_len, cfg.micro_batch, d.device, d.rank, d.world_size, cap, token_bytes, tick
+    )
     nll, count, n_bytes = parallel.all_reduce_sum(list(shares), d.device)
-    return {"val_loss": nll / max(count, 1), "val_bpb": bpb.bits_per_byte(nll, n_bytes), "val_tokens": int(count),
-            "val_bytes": int(n_bytes), "window": cfg.seq_len}
+    bits = bpb.bits_per_byte(nll, n_bytes)
+    return dict(
+        val_loss=nll / max(count, 1), val_bpb=bits, val_tokens=int(count), val_bytes=int(n_bytes), window=cfg.seq_len
+    )
 
 
 def eval_only(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     need_dir(cfg.base_model, "--base-model", "the model to evaluate")
     tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "the model's own tokenizer"))
-    tk.check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
-    vocab = read_config(cfg.base_model).vocab_size
-    if tok.get_vocab_size(with_added_tokens=True) > vocab:
-        raise UsageError(f"the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids but {cfg.base_model} "
-                         f"only {vocab} embedding rows: is --tokenizer the model's own?")
     cfg.phase, cfg.base_tokenizer = 2, None  # evaluate the model as it is: no vocabulary transfer
-    model = build(cfg, d, vocab, log)
+    model = build(cfg, d, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log)
     log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), tk.token_byte_lengths(tok), cfg, d, log, 0))
 
 
@@ -197,17 +191,16 @@ def load_inputs(cfg: TrainConfig, d: parallel.Dist):
     index = load_index(need_dir(cfg.data, "--data", "token shards, from tokenize.py encode"))
     check_tokenizer(index, tk.tokenizer_hash(cfg.tokenizer), tok.get_vocab_size(with_added_tokens=True))
     check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
-    stream = BatchStream(TokenStream(cfg.data, "train"), cfg.seq_len, cfg.global_batch, cfg.micro_batch,
-                         d.rank, d.world_size, cfg.seed)
+    train = TokenStream(cfg.data, "train")
+    stream = BatchStream(train, cfg.seq_len, cfg.global_batch, cfg.micro_batch, d.rank, d.world_size, cfg.seed)
     return tok, stream, (eval_tokens(cfg, tok), tk.token_byte_lengths(tok))
 
 
 def run_identity(cfg: TrainConfig, model) -> tuple[dict, dict]:
     """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
-    must = {"model": model.config.to_dict(), "phase": cfg.phase,
-            "base_model": checkpoint.model_fingerprint(cfg.base_model),
-            "data": checkpoint.file_sha256(os.path.join(cfg.data, "index.json")),
-            "tokenizer": tk.tokenizer_hash(cfg.tokenizer)}
+    data = checkpoint.file_sha256(os.path.join(cfg.data, "index.json"))
+    must = dict(model=model.config.to_dict(), phase=cfg.phase, data=data, tokenizer=tk.tokenizer_hash(cfg.tokenizer))
+    must["base_model"] = checkpoint.model_fingerprint(cfg.base_model)
     return must, {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
 
 
@@ -219,7 +212,9 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     must, may = run_identity(cfg, model)
     ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
     ckpt = Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
-    start = checkpoint.resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)[0] if cfg.resume == "auto" else 0
+    start = 0
+    if cfg.resume == "auto":  # the newest complete checkpoint made from these same inputs
+        start, _ = checkpoint.resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)
     if start:
         log.log("resume", **{"from": os.path.join(ckpt_dir, f"step-{start:08d}")}, step=start)
     else:
@@ -232,26 +227,25 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
         # One all-reduce carries the loss and three flags, so every rank decides alike after this step: a SIGTERM
         # that reached only some ranks, rank 0's checkpoint clock, and how many ranks are still writing one.
         clock = d.is_main and 0 < cfg.checkpoint_minutes * 60 <= time.monotonic() - last_save
-        loss, stopping, clock, writing = parallel.all_reduce_sum(
-            [loss, float(stop[0] is not None), float(clock), float(not ckpt.pending_done())], d.device)
-        loss /= d.world_size
+        flags = [loss, float(stop[0] is not None), float(clock), float(not ckpt.pending_done())]
+        loss, stopping, clock, writing = parallel.all_reduce_sum(flags, d.device)
+        loss, done = loss / d.world_size, step + 1
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # all ranks see the same reduced values
             ckpt.close()  # a checkpoint still being written is finished first: it is the last good one
             last = checkpoint.latest_checkpoint(ckpt_dir) or "none"
-            raise FloatingPointError(f"loss {loss} / grad norm {grad_norm} at step {step + 1}: stopped before the "
-                                     f"update; last good checkpoint: {last}")
+            msg = f"loss {loss} / grad norm {grad_norm} at step {done}: stopped before the update"
+            raise FloatingPointError(f"{msg}; last good checkpoint: {last}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        done = step + 1
         if pending and not writing:  # every rank has written it: rename it into place, point `latest` at it
             log.log("checkpoint", step=pending, dir=ckpt.finalize())
             pending = None
         meter.add(time.perf_counter() - t0, loss=loss)
         if meter.due(done):
-            window = meter.flush(done)
-            log.log("train", step=done, loss=window["loss"], lr=optimizer.param_groups[0]["lr"],
-                    grad_norm=round(grad_norm, 4), **throughput(cfg, model, d, window["steps_per_s"]),
-                    eta=window["eta"])
+            w, lr = meter.flush(done), optimizer.param_groups[0]["lr"]
+            tps = cfg.global_batch * cfg.seq_len * w["steps_per_s"]
+            speed = throughput(tps, d.world_size, model.config.flops_per_token(cfg.seq_len), d.device)
+            log.log("train", step=done, loss=w["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=w["eta"])
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
             log.log("eval", step=done, **evaluate(model, *val, cfg, d, log, done))
         if stopping or clock or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
@@ -274,21 +268,12 @@ def sigterm_flag() -> list:
     return flag
 
 
-def throughput(cfg: TrainConfig, model, d, steps_per_s: float) -> dict:
-    """tokens/s over the training steps since the last line (evals and checkpoints excluded), MFU, peak memory."""
-    tps = cfg.global_batch * cfg.seq_len * steps_per_s
-    cuda = d.device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    mfu = 100 * model.config.flops_per_token(cfg.seq_len) * tps / d.world_size / PEAK_FLOPS if cuda else None
-    return {"tokens_per_s": round(tps), "tokens_per_s_per_gpu": round(tps / d.world_size, 1),
-            "mfu": round(mfu, 2) if mfu is not None else None, "peak_mem_gib": round(peak, 2)}
-
-
 def export(model, cfg: TrainConfig, tok, d: parallel.Dist, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
-    checkpoint.save_pretrained(model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main,
-                    token_ids={"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)})
+    ids = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}
+    checkpoint.save_pretrained(
+        model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main, token_ids=ids
+    )
     if d.is_main:
         tk.copy_tokenizer_files(cfg.tokenizer, cfg.out)
     log.log("export", dir=cfg.out, dtype=cfg.export_dtype)
@@ -309,6 +294,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (UsageError, CheckpointError, FileNotFoundError, ValueError, FloatingPointError, OSError) as e:
+    except (ValueError, FloatingPointError, OSError) as e:  # UsageError, CheckpointError, a full disk...
         print_error("train.py", e)
         sys.exit(2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
 from typing import Any, TextIO
@@ -64,8 +65,12 @@ class Progress:
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def due(self, done: int) -> bool:
-        return (done == self.start + 1 or done % self.every == 0 or done == self.total
-                or time.monotonic() - self.last >= self.seconds)
+        return (
+            done == self.start + 1
+            or done % self.every == 0
+            or done == self.total
+            or time.monotonic() - self.last >= self.seconds
+        )
 
     def flush(self, done: int) -> dict[str, Any]:
         out = {k: v / max(self.n, 1) for k, v in self.sums.items()}
@@ -73,6 +78,29 @@ class Progress:
         out["eta"] = eta(done - self.start, self.total - self.start, self.busy)
         self.window, self.n, self.sums, self.last = 0.0, 0, {}, time.monotonic()
         return out
+
+
+PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200 SXM, the MFU denominator
+
+
+def throughput(tokens_per_s: float, world: int, flops_per_token: float, device) -> dict[str, Any]:
+    """tokens/s (all processes and per GPU), MFU on CUDA, and this process's peak memory in GiB."""
+    import torch
+
+    mfu = None
+    if device.type == "cuda":
+        peak, mfu = (
+            torch.cuda.max_memory_allocated() / 2**30,
+            round(100 * flops_per_token * tokens_per_s / world / PEAK_FLOPS, 2),
+        )
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {
+        "tokens_per_s": round(tokens_per_s),
+        "tokens_per_s_per_gpu": round(tokens_per_s / world, 1),
+        "mfu": mfu,
+        "peak_mem_gib": round(peak, 2),
+    }
 
 
 def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
@@ -84,6 +112,7 @@ def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
         if time.monotonic() - last >= seconds and done < total:
             last = time.monotonic()
             log.log(stream, **fixed, done=done, total=total, eta=eta(done, total, last - t0))
+
     return progress
 
 

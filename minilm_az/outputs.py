@@ -226,6 +226,7 @@ def staged_output(out_dir: str, marker: str | None = None, stage: str = "",
     output, e.g. model.safetensors when writing a sharded export). `marker` is the marker file's name.
     """
     marker = marker or MARKER
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     _remove_leftover_staging(out_dir)
     stage_dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
@@ -234,6 +235,11 @@ def staged_output(out_dir: str, marker: str | None = None, stage: str = "",
         files = _staged_files(stage_dir)
         _check_no_conflicts(out_dir, files, marker)
         _commit(out_dir, stage_dir, files, marker, stage, replaces)
+    except BaseException:
+        shutil.rmtree(stage_dir, ignore_errors=True)
+        if created and not os.listdir(out_dir):  # a failed first write leaves nothing behind (we made this dir)
+            os.rmdir(out_dir)
+        raise
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)
 

@@ -81,6 +81,7 @@ def trained(tmp_path_factory):
 
 def test_train_writes_a_tokenizer_dir_autotokenizer_loads(trained):
     assert sorted(os.listdir(trained)) == [
+        "minilm-az-output.json",  # the marker: which stage wrote which files (minilm_az/outputs.py)
         "special_tokens_map.json",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -133,7 +134,7 @@ def test_existing_output_dir_is_refused_without_overwrite(trained, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     msg = error_line(tokenize("train", "--out", str(tmp_path / "mine"), "--overwrite", check=False))
-    assert "refusing to overwrite" in msg and "no tokenizer.json" in msg
+    assert "refusing to overwrite" in msg and "holds no output of `tokenize train`" in msg
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
@@ -148,7 +149,7 @@ def test_bad_corpora_give_one_line_errors_and_leave_no_output(trained, tmp_path)
         (["train", "--corpus", str(bad)], f"latin1.txt: not valid UTF-8 at byte offset {at} (line 2)"),
         (["train", "--corpus", str(tmp_path / "missing.txt")], "corpus path not found"),
         (["train", "--corpus", str(tmp_path / "empty.txt")], "corpus is empty"),
-        (["train", "--vocab-size", "100"], "vocab size 100 is too small"),
+        (["train", "--vocab-size", "100"], "--vocab-size must be >= 272, got 100"),
         (["encode", "--tokenizer", trained, "--corpus", str(bad)], f"latin1.txt: not valid UTF-8 at byte offset {at}"),
         (["encode", "--tokenizer", str(tmp_path)], "no tokenizer.json in"),
     ]
