@@ -67,8 +67,9 @@ def check_out_dir(out: str, overwrite: bool, stage: str) -> None:
     if not overwrite:
         raise FileExistsError(f"output directory exists: {out} (pass --overwrite to replace it)")
     if written_by(out, stage) is None:
-        raise FileExistsError(f"refusing to overwrite {out}: it holds no output of `{stage}`, so it is not this "
-                              f"stage's to replace")
+        raise FileExistsError(
+            f"refusing to overwrite {out}: it holds no output of `{stage}`, so it is not this stage's to replace"
+        )
 
 
 def progress_bar(files: list[str], desc: str, enabled: bool) -> tqdm:
@@ -184,8 +185,10 @@ def cmd_encode(args) -> None:
         "normalization": "NFC",
     }
     t0 = time.time()
-    with progress_bar(files + (val_files or []), "encode", args.progress) as bar, \
-            staged_output(args.out, stage="tokenize encode") as tmp:
+    with (
+        progress_bar(files + (val_files or []), "encode", args.progress) as bar,
+        staged_output(args.out, stage="tokenize encode") as tmp,
+    ):
         index = shards.write_shards(
             read(files, args, bar),
             tmp,
@@ -226,12 +229,13 @@ def parse_args(argv: list[str] | None = None):
     """The subcommand's config (config.py), with `func` and `command` attached."""
     argv = list(sys.argv[1:] if argv is None else argv)
     head, _, examples = __doc__.partition("\n\n")
-    p = Parser(prog="tokenize.py", description=head, epilog=examples.split("\n\n")[0],
-               formatter_class=HelpFormatter)
+    p = Parser(prog="tokenize.py", description=head, epilog=examples.split("\n\n")[0], formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_) in COMMANDS.items():
-        add_dataclass_args(sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter,
-                                          allow_abbrev=False), TOKENIZE_CONFIGS[name])
+        add_dataclass_args(
+            sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter, allow_abbrev=False),
+            TOKENIZE_CONFIGS[name],
+        )
     if not argv or argv[0] not in COMMANDS:
         p.parse_args(argv)  # prints usage and exits
     cfg = parse_config(TOKENIZE_CONFIGS[argv[0]], p, argv)
