@@ -20,11 +20,16 @@ import numpy as np
 
 SEED_NOISE = 0.02  # a relative BPB gap below which one seed per run cannot tell two runs apart (a judgement)
 CPT = ("base", "phase1", "phase2", "control")  # the pretraining stages, in the order they ran
-LABELS = {"base": "base ({base} tokenizer)", "phase1": "phase 1: embeddings", "phase2": "phase 2: everything",
-          "control": "control: random init"}
+LABELS = {
+    "base": "base ({base} tokenizer)",
+    "phase1": "phase 1: embeddings",
+    "phase2": "phase 2: everything",
+    "control": "control: random init",
+}
 
 
 # ---------------------------------------------------------------- reading the run
+
 
 def read_json(path: str) -> dict | None:
     if not os.path.isfile(path):
@@ -57,6 +62,7 @@ class Shards:
 
 def read_shards(path: str) -> Shards | None:
     from minilm_az.shards import TokenStream  # the shard format's reader
+
     index = read_json(os.path.join(path, "index.json"))
     if not index:
         return None
@@ -138,15 +144,23 @@ class Run:
 def load_run(path: str) -> Run:
     """Everything the report shows, gathered from the run directory."""
     meta = read_json(os.path.join(path, "demo.json")) or {}
-    r = Run(path, meta, (meta.get("baseline") or "baseline").split(" (")[0],
-            read_json(os.path.join(path, "tokenizer_report.json")),
-            samples=read_jsonl(os.path.join(path, "samples.jsonl")))
+    r = Run(
+        path,
+        meta,
+        (meta.get("baseline") or "baseline").split(" (")[0],
+        read_json(os.path.join(path, "tokenizer_report.json")),
+        samples=read_jsonl(os.path.join(path, "samples.jsonl")),
+    )
     shards = {d: read_shards(os.path.join(path, d)) for d in ("shards", "shards_baseline")}
     for name in CPT:
         recs = read_jsonl(os.path.join(path, name, "metrics.jsonl"))
         if recs:
-            r.stages[name] = Stage(name, LABELS[name].format(base=r.base_name), recs,
-                                   shards["shards_baseline" if name == "base" else "shards"])
+            r.stages[name] = Stage(
+                name,
+                LABELS[name].format(base=r.base_name),
+                recs,
+                shards["shards_baseline" if name == "base" else "shards"],
+            )
     ft = read_jsonl(os.path.join(path, "finetune", "metrics.jsonl"))
     if ft:
         r.finetune = Stage("finetune", "LoRA chat fine-tune", ft)
@@ -154,6 +168,7 @@ def load_run(path: str) -> Run:
 
 
 # ---------------------------------------------------------------- words from numbers
+
 
 def _f(v, fmt=".3f", none="–"):
     return none if v is None else format(v, fmt)
@@ -172,11 +187,15 @@ def against_floors(bpb: float, s: Shards) -> str:
     """Where a val BPB sits between the two no-model references of its tokenizer, in words."""
     uni, flat = s.unigram_bpb, s.uniform_bpb
     if bpb > flat:
-        return (f"{bpb - uni:.3f} **above** the unigram floor ({uni:.3f}) and even {bpb - flat:.3f} above the uniform "
-                f"guess ({flat:.3f}): worse than knowing nothing")
+        return (
+            f"{bpb - uni:.3f} **above** the unigram floor ({uni:.3f}) and even {bpb - flat:.3f} above the uniform "
+            f"guess ({flat:.3f}): worse than knowing nothing"
+        )
     if bpb > uni:
-        return (f"{bpb - uni:.3f} **above** the unigram floor ({uni:.3f}): it predicts the val text worse than the "
-                f"train text's token frequencies alone, though {flat - bpb:.3f} better than a uniform guess")
+        return (
+            f"{bpb - uni:.3f} **above** the unigram floor ({uni:.3f}): it predicts the val text worse than the "
+            f"train text's token frequencies alone, though {flat - bpb:.3f} better than a uniform guess"
+        )
     return f"{uni - bpb:.3f} below the unigram floor ({uni:.3f}): it uses the context"
 
 
@@ -197,15 +216,18 @@ def steps_of(s: Stage) -> int | None:
 
 # ---------------------------------------------------------------- sections
 
+
 def section_summary(r: Run) -> list[str]:
     out = []
     fa = r.fertility["corpora"]["all"] if r.fertility else None
     if fa:
         ours, base = fa["ours"], fa["baseline"]
         fewer = 1 - ours["tokens_per_word"] / base["tokens_per_word"]
-        out.append(f"our {ours['vocab_size']:,}-id tokenizer needs **{ours['tokens_per_word']:.2f} tokens per word** "
-                   f"on held-out text against {base['tokens_per_word']:.2f} for {r.base_name}'s "
-                   f"{base['vocab_size']:,}-id one ({100 * fewer:.0f}% fewer tokens)")
+        out.append(
+            f"our {ours['vocab_size']:,}-id tokenizer needs **{ours['tokens_per_word']:.2f} tokens per word** "
+            f"on held-out text against {base['tokens_per_word']:.2f} for {r.base_name}'s "
+            f"{base['vocab_size']:,}-id one ({100 * fewer:.0f}% fewer tokens)"
+        )
     b0, b1, b2, bc = (r.bpb(n) for n in CPT)
     if b0 and b2:
         out.append(f"validation bits per byte went **{b0:.3f} (base) → {_f(b1)} (phase 1) → {b2:.3f} (phase 2)**")
@@ -218,25 +240,36 @@ def section_summary(r: Run) -> list[str]:
 def section_setup(r: Run) -> list[str]:
     cfg, meta = r.cfg, r.meta
     base = r.stages.get("base")
-    out = ["## What ran", "",
-           f"Train text: {', '.join(os.path.basename(f) for f in meta.get('train_files', []))} of `data/az`; "
-           f"validation text: {r.val_label} (another source, held out from the tokenizer and every model). "
-           f"CPU, {cfg.get('procs', '?')} processes under torchrun (FSDP2 on gloo), one thread each; "
-           f"{meta.get('cpus', '?')} CPUs seen; total {_f(meta.get('seconds'), '.0f')} s.", ""]
+    out = [
+        "## What ran",
+        "",
+        f"Train text: {', '.join(os.path.basename(f) for f in meta.get('train_files', []))} of `data/az`; "
+        f"validation text: {r.val_label} (another source, held out from the tokenizer and every model). "
+        f"CPU, {cfg.get('procs', '?')} processes under torchrun (FSDP2 on gloo), one thread each; "
+        f"{meta.get('cpus', '?')} CPUs seen; total {_f(meta.get('seconds'), '.0f')} s.",
+        "",
+    ]
     if base:
-        ratio = r.stages["phase2"].throughput() / base.throughput() \
-            if "phase2" in r.stages and base.throughput() and r.stages["phase2"].throughput() else None
+        ratio = (
+            r.stages["phase2"].throughput() / base.throughput()
+            if "phase2" in r.stages and base.throughput() and r.stages["phase2"].throughput()
+            else None
+        )
         vocab = base.shards.vocab_size if base.shards else None
-        out += ["**The base model is a stand-in.** The real recipe starts from an English-centric pretrained model "
-                "(Llama 3.2 1B) with its own tokenizer. A CPU demo can neither train nor load that, so `base` is a "
-                f"tiny Llama trained here from random init for {_n(steps_of(base))} steps with {r.base_name}'s "
-                f"tokenizer on the same train text. Its {_n(vocab)}-row embedding makes a training token "
-                f"{_f(ratio, '.0f', 'many')} times dearer on CPU than our tokenizer's, so it gets few steps: it plays "
-                "a model that knows a little of the language through a tokenizer that fits it badly, and its BPB is "
-                "not what a real base model scores.", ""]
+        out += [
+            "**The base model is a stand-in.** The real recipe starts from an English-centric pretrained model "
+            "(Llama 3.2 1B) with its own tokenizer. A CPU demo can neither train nor load that, so `base` is a "
+            f"tiny Llama trained here from random init for {_n(steps_of(base))} steps with {r.base_name}'s "
+            f"tokenizer on the same train text. Its {_n(vocab)}-row embedding makes a training token "
+            f"{_f(ratio, '.0f', 'many')} times dearer on CPU than our tokenizer's, so it gets few steps: it plays "
+            "a model that knows a little of the language through a tokenizer that fits it badly, and its BPB is "
+            "not what a real base model scores.",
+            "",
+        ]
     if meta.get("stages"):
-        out += _table(["stage", "what", "seconds"], [[s["name"], s["title"], _f(s["seconds"], ".0f")]
-                                                     for s in meta["stages"]])
+        out += _table(
+            ["stage", "what", "seconds"], [[s["name"], s["title"], _f(s["seconds"], ".0f")] for s in meta["stages"]]
+        )
     return out
 
 
@@ -244,28 +277,51 @@ def section_tokenizer(r: Run, img) -> list[str]:
     if not r.fertility:
         return []
     fa = r.fertility["corpora"]["all"]
-    rows = [[r.base_name if n == "baseline" else "ours", f"{fa[n]['vocab_size']:,}", f"{fa[n]['tokens']:,}",
-             f"{fa[n]['tokens_per_word']:.3f}", f"{fa[n]['bytes_per_token']:.3f}", f"{fa[n]['chars_per_token']:.3f}"]
-            for n in ("baseline", "ours")]
+    rows = [
+        [
+            r.base_name if n == "baseline" else "ours",
+            f"{fa[n]['vocab_size']:,}",
+            f"{fa[n]['tokens']:,}",
+            f"{fa[n]['tokens_per_word']:.3f}",
+            f"{fa[n]['bytes_per_token']:.3f}",
+            f"{fa[n]['chars_per_token']:.3f}",
+        ]
+        for n in ("baseline", "ours")
+    ]
     ratio = fa["ours"]["tokens_per_word"] / fa["baseline"]["tokens_per_word"]
-    return (["## 1. Tokenizer", "",
-             "Fertility is tokens per whitespace-separated word: fewer tokens per word mean shorter sequences, more "
-             "text per context window and per FLOP.", ""]
-            + _table(["tokenizer", "vocab", "tokens", "tokens/word", "bytes/token", "chars/token"], rows)
-            + [f"On {fa['ours']['words']:,} words, {fa['ours']['bytes']:,} bytes of held-out text. "
-               f"Fertility ours / baseline: **{ratio:.3f}**.", ""] + img("fertility", "fertility"))
+    return (
+        [
+            "## 1. Tokenizer",
+            "",
+            "Fertility is tokens per whitespace-separated word: fewer tokens per word mean shorter sequences, more "
+            "text per context window and per FLOP.",
+            "",
+        ]
+        + _table(["tokenizer", "vocab", "tokens", "tokens/word", "bytes/token", "chars/token"], rows)
+        + [
+            f"On {fa['ours']['words']:,} words, {fa['ours']['bytes']:,} bytes of held-out text. "
+            f"Fertility ours / baseline: **{ratio:.3f}**.",
+            "",
+        ]
+        + img("fertility", "fertility")
+    )
 
 
 def _transfer_counts(s: Stage) -> str:
     """The vocabulary transfer's counts from its `vocab_transfer` records, as a sentence."""
-    words = {"copied": "copied from the base", "averaged": "the mean of the base rows of their pieces",
-             "special_mean": "at the mean row (specials the base lacks)"}
+    words = {
+        "copied": "copied from the base",
+        "averaged": "the mean of the base rows of their pieces",
+        "special_mean": "at the mean row (specials the base lacks)",
+    }
     parts = []
     for rec in s.all("vocab_transfer"):
         counts = ", ".join(f"{rec[k]:,} {w}" for k, w in words.items() if isinstance(rec.get(k), int))
         if counts:
-            parts.append(f"`{rec.get('tensor', 'embedding')}`, {_n(rec.get('new_vocab'))} rows from the base's "
-                         f"{_n(rec.get('base_vocab'))}: {counts}")
+            parts.append(
+                f"`{rec.get('tensor', 'embedding')}`, {_n(rec.get('new_vocab'))} rows from the base's "
+                f"{_n(rec.get('base_vocab'))}: {counts}"
+            )
     return "The transfer, as phase 1 logged it: " + "; ".join(parts) + "." if parts else ""
 
 
@@ -275,19 +331,26 @@ def section_pretraining(r: Run, img) -> list[str]:
         return []
     cfg = r.cfg
     lr = {n: s.last("config").get("lr", "–") for n, s in r.stages.items()}  # each run's own flags
-    out = ["## 2. Pretraining: base, the two phases, and a control", "",
-           "Phase 1 maps the base model's embeddings onto our vocabulary (a token the base vocabulary also has is "
-           "copied; a new one is the mean of the base tokens it splits into) and trains only the embeddings; phase 2 "
-           f"trains everything. The control trains the same model shape from random init with our tokenizer for "
-           f"phase 1 + phase 2's {_n(cfg.get('control_steps'))} steps on the same data, every weight from the first "
-           f"step: what the model reaches without the transfer. Peak learning rates: phase 1 {lr.get('phase1', '–')}, "
-           f"phase 2 {lr.get('phase2', '–')}, control {lr.get('control', '–')}, each a warmup then a cosine over "
-           "its own steps.", ""]
+    out = [
+        "## 2. Pretraining: base, the two phases, and a control",
+        "",
+        "Phase 1 maps the base model's embeddings onto our vocabulary (a token the base vocabulary also has is "
+        "copied; a new one is the mean of the base tokens it splits into) and trains only the embeddings; phase 2 "
+        f"trains everything. The control trains the same model shape from random init with our tokenizer for "
+        f"phase 1 + phase 2's {_n(cfg.get('control_steps'))} steps on the same data, every weight from the first "
+        f"step: what the model reaches without the transfer. Peak learning rates: phase 1 {lr.get('phase1', '–')}, "
+        f"phase 2 {lr.get('phase2', '–')}, control {lr.get('control', '–')}, each a warmup then a cosine over "
+        "its own steps.",
+        "",
+    ]
     counts = _transfer_counts(r.stages["phase1"]) if "phase1" in r.stages else ""
     out += [counts, ""] if counts else []
-    out += ["Train loss is drawn in bits per byte (loss in nats per token ÷ ln 2 ÷ the train text's bytes per token), "
-            "so the panels share a unit despite the two tokenizers; val points at step 0 are the models before their "
-            "first update.", ""] + img("loss", "loss curves")
+    out += [
+        "Train loss is drawn in bits per byte (loss in nats per token ÷ ln 2 ÷ the train text's bytes per token), "
+        "so the panels share a unit despite the two tokenizers; val points at step 0 are the models before their "
+        "first update.",
+        "",
+    ] + img("loss", "loss curves")
     rows = []
     for s in cpt:
         m, tps = s.last("model"), s.throughput()
@@ -296,36 +359,102 @@ def section_pretraining(r: Run, img) -> list[str]:
         steps = train[-1]["step"] if train else None
         epochs = steps * tokens_per_step / s.shards.train["tokens"] if steps and s.shards else None
         bpt = s.shards.bytes_per_token() if s.shards else None
-        rows.append([s.label, _n(m.get("params")), _n(m.get("trainable")), _n(steps), _f(epochs, ".2f"),
-                     _f(train[-1]["loss"] if train else None), _f(s.val_bpb()), _f(tps, ",.0f"),
-                     _f(tps * bpt / 1e3 if tps and bpt else None, ",.1f")])
-    out += _table(["stage", "params", "trainable", "steps", "epochs of train text", "last train loss (nats/token)",
-                   "val BPB", "tokens/s", "KB of text/s"], rows)
-    out += ["Train loss sits below val: the val text is another source (Firefox's strings, not KDE's or MediaWiki's), "
-            "and the stages read the train text more than once.", ""]
-    return out
+        rows.append(
+            [
+                s.label,
+                _n(m.get("params")),
+                _n(m.get("trainable")),
+                _n(steps),
+                _f(epochs, ".2f"),
+                _f(train[-1]["loss"] if train else None),
+                _f(s.val_bpb()),
+                _f(tps, ",.0f"),
+                _f(tps * bpt / 1e3 if tps and bpt else None, ",.1f"),
+            ]
+        )
+    out += _table(
+        [
+            "stage",
+            "params",
+            "trainable",
+            "steps",
+            "epochs of train text",
+            "last train loss (nats/token)",
+            "val BPB",
+            "tokens/s",
+            "KB of text/s",
+        ],
+        rows,
+    )
+    return out + _train_vs_val(cpt)
+
+
+def _train_vs_val(cpt: list[Stage]) -> list[str]:
+    """Which stages end with train BPB below val BPB, and why that may be, from their numbers."""
+    below, epochs = [], []
+    for s in cpt:
+        steps, bpb = s.train_bpb()
+        if bpb and s.val_bpb() is not None and bpb[-1] < s.val_bpb():
+            below.append(s.name)
+        tokens_per_step = s.last("model").get("tokens_per_step")
+        if steps and tokens_per_step and s.shards:
+            epochs.append(steps[-1] * tokens_per_step / s.shards.train["tokens"])
+    if not below:
+        return []
+    who = "every stage" if len(below) == len(cpt) else ", ".join(below)
+    reread = f"; the longest stage read the train text {max(epochs):.1f} times" if epochs and max(epochs) > 1 else ""
+    return [
+        f"The last train BPB sits below val for {who}: the val text is another source (Firefox's "
+        f"strings, not KDE's or MediaWiki's){reread}.",
+        "",
+    ]
 
 
 def section_bpb(r: Run, img) -> list[str]:
     cpt = [r.stages[n] for n in CPT if n in r.stages and r.stages[n].val_bpb() is not None]
     if not cpt:
         return []
-    out = ["## 3. Bits per byte before and after", "",
-           "Each model is scored with its own tokenizer on the same validation bytes; bits per byte divides the total "
-           "loss by the byte count, so it compares models whatever their tokenizers. Two references need no model: "
-           "a **uniform** guess over the vocabulary, and the **unigram floor**, the train text's token frequencies "
-           "alone (a model that ignores context). A good tokenizer lowers both; a trained model has to go below the "
-           "floor to show it uses the context.", ""] + img("bpb", "bits per byte")
+    out = [
+        "## 3. Bits per byte before and after",
+        "",
+        "Each model is scored with its own tokenizer on the same validation bytes; bits per byte divides the total "
+        "loss by the byte count, so it compares models whatever their tokenizers. Two references need no model: "
+        "a **uniform** guess over the vocabulary, and the **unigram floor**, the train text's token frequencies "
+        "alone (a model that ignores context). A good tokenizer lowers both; a trained model has to go below the "
+        "floor to show it uses the context.",
+        "",
+    ] + img("bpb", "bits per byte")
     rows = []
     for s in cpt:
         ev, sh = s.evals[-1], s.shards
-        rows.append([s.label, _f(s.val_bpb(0)), _f(s.val_bpb()), _f(sh.unigram_bpb if sh else None),
-                     _f(s.val_bpb() - sh.unigram_bpb if sh and sh.unigram_bpb else None, "+.3f"),
-                     _f(ev.get("val_loss")), _n(ev.get("val_tokens"))])
-    out += _table(["model", "val BPB at step 0", "val BPB at the end", "unigram floor", "end − floor",
-                   "val loss (nats/token)", "tokens scored"], rows)
-    out += [f"- **{s.label}**: {s.val_bpb():.3f}, " + against_floors(s.val_bpb(), s.shards) + "."
-            for s in cpt if s.shards and s.shards.unigram_bpb] + [""]
+        rows.append(
+            [
+                s.label,
+                _f(s.val_bpb(0)),
+                _f(s.val_bpb()),
+                _f(sh.unigram_bpb if sh else None),
+                _f(s.val_bpb() - sh.unigram_bpb if sh and sh.unigram_bpb else None, "+.3f"),
+                _f(ev.get("val_loss")),
+                _n(ev.get("val_tokens")),
+            ]
+        )
+    out += _table(
+        [
+            "model",
+            "val BPB at step 0",
+            "val BPB at the end",
+            "unigram floor",
+            "end − floor",
+            "val loss (nats/token)",
+            "tokens scored",
+        ],
+        rows,
+    )
+    out += [
+        f"- **{s.label}**: {s.val_bpb():.3f}, " + against_floors(s.val_bpb(), s.shards) + "."
+        for s in cpt
+        if s.shards and s.shards.unigram_bpb
+    ] + [""]
     return out + _phase_story(r) + _control_story(r) + _window_note(r)
 
 
@@ -337,15 +466,19 @@ def _phase_story(r: Run) -> list[str]:
     uni, start, end = p1.shards.unigram_bpb, p1.val_bpb(0), p1.val_bpb()
     out = []
     if start is not None:
-        out.append(f"The transfer alone (phase 1 at step 0, before any update) scores {start:.3f}, "
-                   f"{against_floors(start, p1.shards)}; {_n(steps_of(p1))} steps on the embeddings take it to "
-                   f"{end:.3f} ({end - start:+.3f}).")
+        out.append(
+            f"The transfer alone (phase 1 at step 0, before any update) scores {start:.3f}, "
+            f"{against_floors(start, p1.shards)}; {_n(steps_of(p1))} steps on the embeddings take it to "
+            f"{end:.3f} ({end - start:+.3f})."
+        )
     side = "still above" if end > uni else "below"
     out.append(f"Phase 1 ends {side} the unigram floor of our tokens ({uni:.3f}).")
     if p2 and p2.val_bpb() is not None:
         e2 = p2.val_bpb()
-        out.append(f"Phase 2, every weight training, moves it by {e2 - end:+.3f} to {e2:.3f}, "
-                   + ("below the floor." if e2 < uni else "and it is still above the floor."))
+        out.append(
+            f"Phase 2, every weight training, moves it by {e2 - end:+.3f} to {e2:.3f}, "
+            + ("below the floor." if e2 < uni else "and it is still above the floor.")
+        )
     return [" ".join(out), ""]
 
 
@@ -356,23 +489,31 @@ def _control_story(r: Run) -> list[str]:
         return []
     e2, ec = p2.val_bpb(), c.val_bpb()
     gap = abs(ec - e2) / max(ec, e2)
-    out = [f"**What the transfer buys.** After {_n(steps_of(c))} steps on the same data, the transferred model "
-           f"(phase 1 → phase 2) scores {e2:.3f} and the control {ec:.3f}: "
-           + (f"the transfer is {ec - e2:.3f} bits per byte ({100 * gap:.1f}%) better." if e2 < ec else
-              f"the control is {e2 - ec:.3f} bits per byte ({100 * gap:.1f}%) better, so at this scale the transfer "
-              "does not pay.")]
+    out = [
+        f"**What the transfer buys.** After {_n(steps_of(c))} steps on the same data, the transferred model "
+        f"(phase 1 → phase 2) scores {e2:.3f} and the control {ec:.3f}: "
+        + (
+            f"the transfer is {ec - e2:.3f} bits per byte ({100 * gap:.1f}%) better."
+            if e2 < ec
+            else f"the control is {e2 - ec:.3f} bits per byte ({100 * gap:.1f}%) better, so at this scale the transfer "
+            "does not pay."
+        )
+    ]
     if gap < SEED_NOISE:
         out.append(f"Each is one run of one seed: a gap under {100 * SEED_NOISE:.0f}% may not survive another seed.")
     at = steps_of(p1) if p1 else None
     c_at = c.val_bpb(at) if at else None
     if c_at is not None and p1.val_bpb() is not None:
         lead = "the control leads" if c_at < p1.val_bpb() else "phase 1 leads"
-        out.append(f"After phase 1's {at} steps (embeddings only) {lead}: control {c_at:.3f}, phase 1 "
-                   f"{p1.val_bpb():.3f}.")
+        out.append(
+            f"After phase 1's {at} steps (embeddings only) {lead}: control {c_at:.3f}, phase 1 {p1.val_bpb():.3f}."
+        )
     base = r.stages.get("base")
     if base:
-        out.append(f"The transferred model also had the base's {_n(steps_of(base))} steps (on {r.base_name}'s "
-                   "tokens) behind it; a real base model brings far more.")
+        out.append(
+            f"The transferred model also had the base's {_n(steps_of(base))} steps (on {r.base_name}'s "
+            "tokens) behind it; a real base model brings far more."
+        )
     return [" ".join(out), ""]
 
 
@@ -381,15 +522,21 @@ def _window_note(r: Run) -> list[str]:
     if not n:
         return []
     ours, base = (r.stages.get(k) for k in ("phase2", "base"))
-    reach = [f"{n * s.shards.bytes_per_token('val'):.0f} bytes of val text with {who}" for s, who in
-             ((ours, "our tokens"), (base, f"{r.base_name}'s")) if s and s.shards and s.shards.bytes_per_token("val")]
+    reach = [
+        f"{n * s.shards.bytes_per_token('val'):.0f} bytes of val text with {who}"
+        for s, who in ((ours, "our tokens"), (base, f"{r.base_name}'s"))
+        if s and s.shards and s.shards.bytes_per_token("val")
+    ]
     same = " (the training sequence length)" if n == r.cfg.get("seq_len") else ""
-    return [f"**The eval window.** BPB is measured on consecutive windows of **{n} tokens** of the val stream{same}: "
-            "a token is predicted from at most the tokens before it in its window, so BPB depends on the window "
-            "length, and a longer window scores lower. Compare these numbers only with numbers measured in the same "
-            f"window. {n} tokens span " + " and ".join(reach or ["–"])
-            + " (on average): at one window length, a tokenizer with longer tokens also gives its model more context.",
-            ""]
+    return [
+        f"**The eval window.** BPB is measured on consecutive windows of **{n} tokens** of the val stream{same}: "
+        "a token is predicted from at most the tokens before it in its window, so BPB depends on the window "
+        "length, and a longer window scores lower. Compare these numbers only with numbers measured in the same "
+        f"window. {n} tokens span "
+        + " and ".join(reach or ["–"])
+        + " (on average): at one window length, a tokenizer with longer tokens also gives its model more context.",
+        "",
+    ]
 
 
 def section_throughput(r: Run, img) -> list[str]:
@@ -397,9 +544,12 @@ def section_throughput(r: Run, img) -> list[str]:
     out = img("throughput", "throughput")
     if p2 and base and p2.throughput() and base.throughput() and p2.shards and base.shards:
         ratio = (p2.throughput() * p2.shards.bytes_per_token()) / (base.throughput() * base.shards.bytes_per_token())
-        out += [f"Per second of CPU, phase 2 reads {ratio:.0f}x as much text as the base model: its tokens are "
-                f"longer and its {p2.shards.vocab_size:,}-row embedding is cheap next to a "
-                f"{base.shards.vocab_size:,}-row one.", ""]
+        out += [
+            f"Per second of CPU, phase 2 reads {ratio:.0f}x as much text as the base model: its tokens are "
+            f"longer and its {p2.shards.vocab_size:,}-row embedding is cheap next to a "
+            f"{base.shards.vocab_size:,}-row one.",
+            "",
+        ]
     return out
 
 
@@ -409,22 +559,34 @@ def section_finetune(r: Run) -> list[str]:
         return []
     m, d, ev, train = ft.last("model"), ft.last("data"), ft.evals, ft.all("finetune")
     r_, alpha = m.get("lora_r", m.get("r", "–")), m.get("lora_alpha", m.get("alpha", "–"))  # older records: r, alpha
-    val = (f"Val loss {ev[0]['val_loss']:.3f} (step {ev[0]['step']}) → {ev[-1]['val_loss']:.3f} nats per assistant "
-           f"token over {train[-1]['step'] if train else 0} steps." if len(ev) >= 2 else "")
-    return ["## 4. Chat fine-tune (LoRA)", "",
-            f"LoRA r={r_}, alpha={alpha} on {m.get('targets', '–').replace(',', ', ')}: {_n(m.get('trainable'))} "
-            f"trainable of {_n(m.get('params'))} parameters ({m.get('trainable_pct', '–')}%). {_n(d.get('train'))} "
-            f"train and {_n(d.get('val'))} val conversations of `data/chat`; the loss is on the assistant's tokens "
-            f"only (its panel in the loss plot is in nats per assistant token, not BPB). {val}", ""]
+    val = (
+        f"Val loss {ev[0]['val_loss']:.3f} (step {ev[0]['step']}) → {ev[-1]['val_loss']:.3f} nats per assistant "
+        f"token over {train[-1]['step'] if train else 0} steps."
+        if len(ev) >= 2
+        else ""
+    )
+    return [
+        "## 4. Chat fine-tune (LoRA)",
+        "",
+        f"LoRA r={r_}, alpha={alpha} on {m.get('targets', '–').replace(',', ', ')}: {_n(m.get('trainable'))} "
+        f"trainable of {_n(m.get('params'))} parameters ({m.get('trainable_pct', '–')}%). {_n(d.get('train'))} "
+        f"train and {_n(d.get('val'))} val conversations of `data/chat`; the loss is on the assistant's tokens "
+        f"only (its panel in the loss plot is in nats per assistant token, not BPB). {val}",
+        "",
+    ]
 
 
 def section_samples(r: Run) -> list[str]:
     if not r.samples:
         return []
-    out = ["### Samples", "",
-           "From the phase 2 model with the adapter (`finetune.py --adapter ... --prompt`). A model of a few million "
-           "parameters trained for minutes on half a megabyte does not answer questions: these show the pipeline end "
-           "to end (chat template, adapter, sampling), not fluency.", ""]
+    out = [
+        "### Samples",
+        "",
+        "From the phase 2 model with the adapter (`finetune.py --adapter ... --prompt`). A model of a few million "
+        "parameters trained for minutes on half a megabyte does not answer questions: these show the pipeline end "
+        "to end (chat template, adapter, sampling), not fluency.",
+        "",
+    ]
     for s in r.samples:
         out += [f"**user:** {s['prompt']}", "", "**assistant:** " + (s["reply"] or "*(empty)*"), ""]
     return out
@@ -435,15 +597,20 @@ def section_commands(r: Run) -> list[str]:
     if not stages:
         return []
     lines = [s["command"] if isinstance(s["command"], str) else shlex.join(s["command"]) for s in stages]
-    return ["## Commands", "", "Run from the repository root (their logs are in `logs/`):", "", "```"] + \
-        [f"$ {c}" for c in lines] + ["```", ""]
+    return (
+        ["## Commands", "", "Run from the repository root (their logs are in `logs/`):", "", "```"]
+        + [f"$ {c}" for c in lines]
+        + ["```", ""]
+    )
 
 
 # ---------------------------------------------------------------- the report
 
+
 def write_report(run: str) -> str:
     """Write `run/report.md` and its PNGs; returns the report's path."""
     from demo import plots
+
     r = load_run(run)
     drawn = plots.draw_all(r)  # None without matplotlib
     no_plots, drawn = drawn is None, drawn or {}
@@ -453,10 +620,21 @@ def write_report(run: str) -> str:
 
     lines = [f"# minilm-az demo: `{r.meta.get('name', os.path.basename(run))}`", ""] + section_summary(r)
     if no_plots:
-        lines += ["> matplotlib is not installed, so this report has no plots: `pip install -e '.[report]'` and "
-                  f"`python -m demo.report {run}` to add them.", ""]
-    for section in (section_setup(r), section_tokenizer(r, img), section_pretraining(r, img), section_bpb(r, img),
-                    section_throughput(r, img), section_finetune(r), section_samples(r), section_commands(r)):
+        lines += [
+            "> matplotlib is not installed, so this report has no plots: `pip install -e '.[report]'` and "
+            f"`python -m demo.report {run}` to add them.",
+            "",
+        ]
+    for section in (
+        section_setup(r),
+        section_tokenizer(r, img),
+        section_pretraining(r, img),
+        section_bpb(r, img),
+        section_throughput(r, img),
+        section_finetune(r),
+        section_samples(r),
+        section_commands(r),
+    ):
         lines += section
     path = os.path.join(run, "report.md")
     with open(path, "w", encoding="utf-8") as f:

