@@ -1,0 +1,706 @@
+"""Replay a SageMaker training job on this machine: the launcher's real request, the real container toolkit.
+
+    launched = launch(session, ["train", "--phase", "2", "--steps", "4"], inputs={"--data": shards_dir})
+    run = replay(session, launched, workdir=tmp_path)
+    assert run.returncode == 0, run.explain()
+    assert "config.json" in run.model_files()
+
+`launch` runs `minilm_az.sagemaker.launch` against a moto-mocked AWS (the caller owns the mock): each
+local input is uploaded to the mocked S3 first and passed to its launcher flag (`--data s3://...`). `replay` then
+builds what the instance would see from the CreateTrainingJob request alone:
+
+- /opt/ml/input/config/{hyperparameters,resourceconfig,inputdataconfig,checkpointconfig}.json (one host,
+  algo-1; the hyperparameters exactly as sent, i.e. JSON-encoded by the SDK);
+- /opt/ml/input/data/<channel>/ downloaded from the channel's S3 prefix (File mode);
+- /opt/ml/code empty: the toolkit fetches sourcedir.tar.gz itself (its S3 download is pointed at the
+  bytes the launcher uploaded) and extracts it;
+- /opt/ml/model (its own mount, empty), the checkpoint LocalPath (empty), /opt/ml/output;
+
+and runs the image's entry point, `sagemaker_training.cli.train` (the real toolkit, sagemaker-training)
+with SAGEMAKER_TRAINING_MODULE=sagemaker_pytorch_container.training:main, as the AWS PyTorch image sets it
+(the real sagemaker-pytorch-training package when installed; else, or with SM_CONTAINER_FRAMEWORK=fallback,
+`pytorch_training_main` below, which calls the same sagemaker_training pieces). The toolkit computes SM_*
+from the files, maps hyperparameters to argv (`mapping.to_cmd_args`) and runs `python train.py ...` or,
+with torch_distributed, `torchrun --nnodes 1 --nproc_per_node N train.py ...`. Two deliberate departures,
+both logged: requirements.txt is not pip-installed (this environment already has the project and its
+dependencies), and torchrun gets `nproc` processes per host (2 by default) instead of one per GPU (none
+on a CPU machine). Patched isolation adds a third: MASTER_ADDR is 127.0.0.1 (algo-1 does not resolve).
+
+Isolation ("namespace", used wherever `unshare` and `mount` are permitted, e.g. as root): the driver runs
+under `unshare --mount --propagation private` (plus --net/--uts/--pid where allowed), bind-mounts the job's
+directory on /opt/ml (a private tmpfs on /opt first when /opt/ml does not exist, the host's /opt entries
+bound back in), mounts a tmpfs on /opt/ml/model and a hosts file on /etc/hosts, and names the host algo-1.
+The host's /opt/ml is never written. A rename into /opt/ml/model really fails with EXDEV and rmdir of it
+with EBUSY; the model is copied out before the namespace ends.
+Fallback ("patched"; force it with SM_CONTAINER_ISOLATION=patched): /opt/ml is a symlink to the job's
+directory for the duration of the run (under a lock; refused if /opt/ml already exists), and a
+sitecustomize on PYTHONPATH makes os.rename/os.replace across /opt/ml/model raise EXDEV and os.rmdir of it
+(hence shutil.rmtree) raise EBUSY, in every Python process of the job.
+
+This module's top level needs only the standard library: `replay` copies it into the job's directory and
+runs it there as the driver (`python sm_container.py --driver SPEC`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "minilm-az-container-test"
+ROLE = "arn:aws:iam::123456789012:role/minilm-az-sagemaker"
+OPT_ML = "/opt/ml"
+HOST = "algo-1"
+FRAMEWORK_MODULE = "sagemaker_pytorch_container.training:main"
+FALLBACK_FRAMEWORK_MODULE = "sm_container:pytorch_training_main"
+HARNESS_EXIT = 97  # the driver's status when the harness itself failed before the toolkit started
+PATCHED_LOCK = "/tmp/sm_container.opt_ml.lock"
+
+
+class HarnessError(RuntimeError):
+    """The replay could not be set up: a problem of this harness or of the test, never of the product."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch (inside the caller's moto mock)
+
+
+def aws_test_env() -> dict[str, str]:
+    """Environment for a boto3 session inside moto: fake credentials, a region, no config files or metadata."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+            "SAGEMAKER_SUPPRESS_V2_WARNING": "1"}
+
+
+def upload(session: Any, local: str | Path, uri: str) -> str:
+    """Upload a file or a directory tree under the S3 prefix `uri` (which ends with '/'); returns `uri`."""
+    local = Path(local)
+    bucket, prefix = _split_s3(uri)
+    s3 = session.client("s3")
+    files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+    if not files:
+        raise HarnessError(f"{local}: nothing to upload (missing or empty)")
+    for f in files:
+        rel = f.name if f == local else f.relative_to(local).as_posix()
+        s3.upload_file(str(f), bucket, prefix + rel)
+    return uri
+
+
+def input_flags(stage: str) -> dict[str, str]:
+    """The launcher's input flags for `stage` (`--model`, `--val-data`, ...) -> the channel each one creates."""
+    from minilm_az import sagemaker as sm
+
+    sub = next(a for a in sm.build_parser()._actions if a.dest == "stage")
+    return {flag: a.dest[3:] for a in sub.choices[stage]._actions if a.dest.startswith("ch_")
+            for flag in a.option_strings}
+
+
+def launch(session: Any, argv: list[str], *, inputs: dict[str, str | Path] | None = None,
+           root: str | Path = PROJECT_ROOT, bucket: str = BUCKET, role: str = ROLE):
+    """`python -m minilm_az.sagemaker ARGV --input s3://... --role ROLE --bucket BUCKET`, against moto.
+
+    `inputs` maps a launcher input flag (`--data`, `--model`, `--val-data`: what a user types) to a local
+    file or dir, uploaded first to s3://BUCKET/inputs/<id>/<flag>/. Returns the launcher's
+    `Launched(plan, request, sent)`; the channel names are the launcher's business.
+    """
+    from minilm_az import sagemaker as sm
+
+    s3 = session.client("s3")
+    if bucket not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
+        s3.create_bucket(Bucket=bucket)
+    known = input_flags(argv[0])
+    flags: list[str] = []
+    run_id = uuid.uuid4().hex[:8]
+    for flag, local in (inputs or {}).items():
+        if flag not in known:
+            raise HarnessError(f"the launcher's {argv[0]} has no input flag {flag}; it has {sorted(known)}")
+        flags += [flag, upload(session, local, f"s3://{bucket}/inputs/{run_id}/{flag.lstrip('-')}/")]
+    args = sm.parse_args(list(argv) + flags + ["--role", role, "--bucket", bucket])
+    launched = sm.launch(args, boto_session=session, root=root)
+    if not launched.request.get("HyperParameters"):
+        raise HarnessError("the launch captured no CreateTrainingJob request")
+    return launched
+
+
+def source_tarball(session: Any, request: dict) -> bytes:
+    """The sourcedir.tar.gz the launcher uploaded (sagemaker_submit_directory)."""
+    bucket, key = _split_s3(json.loads(request["HyperParameters"]["sagemaker_submit_directory"]))
+    return session.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise HarnessError(f"{uri!r} is not an s3:// URI")
+    bucket, _, key = uri[5:].partition("/")
+    return bucket, key
+
+
+# ---------------------------------------------------------------------------------------------
+# The container's view of the job, built from the request
+
+
+def _under_opt_ml(path: str) -> str:
+    rel = os.path.relpath(path, OPT_ML)
+    if rel.startswith(".."):
+        raise HarnessError(f"{path} is outside {OPT_ML}; the replay only simulates {OPT_ML}")
+    return rel
+
+
+def prepare(session: Any, request: dict, workdir: str | Path) -> Path:
+    """Write WORKDIR/opt_ml (what /opt/ml holds when the toolkit starts) and WORKDIR/harness; returns opt_ml."""
+    workdir = Path(workdir)
+    root, harness = workdir / "opt_ml", workdir / "harness"
+    if root.exists():
+        raise HarnessError(f"{root} exists: one replay per workdir")
+    rc = request["ResourceConfig"]
+    if rc.get("InstanceCount", 1) != 1:
+        raise HarnessError("the replay simulates one instance; launch with --instance-count 1")
+    itype = rc["InstanceType"]
+    cfg = root / "input" / "config"
+    for d in (cfg, root / "input" / "data", root / "code", root / "model", root / "output" / "data", harness):
+        d.mkdir(parents=True)
+    _write_json(cfg / "hyperparameters.json", request["HyperParameters"])
+    _write_json(cfg / "resourceconfig.json", {
+        "current_host": HOST, "current_instance_type": itype, "current_group_name": "homogeneousCluster",
+        "hosts": [HOST], "network_interface_name": "eth0",
+        "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": itype, "hosts": [HOST]}],
+    })
+    channels = request.get("InputDataConfig") or []
+    _write_json(cfg / "inputdataconfig.json", {
+        c["ChannelName"]: {"TrainingInputMode": c.get("InputMode", "File"), "S3DistributionType": "FullyReplicated",
+                           "RecordWrapperType": "None"} for c in channels})
+    s3 = session.client("s3")
+    for c in channels:
+        src = c["DataSource"]["S3DataSource"]
+        if src.get("S3DataType", "S3Prefix") != "S3Prefix":
+            raise HarnessError(f"channel {c['ChannelName']}: only S3Prefix data sources are replayed")
+        bucket, prefix = _split_s3(src["S3Uri"])
+        dest = root / "input" / "data" / c["ChannelName"]
+        dest.mkdir()
+        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+        if not keys:  # SageMaker fails such a job before the container starts
+            raise HarnessError(f"channel {c['ChannelName']}: no S3 objects under {src['S3Uri']}")
+        for key in keys:
+            rel = key[len(prefix):].lstrip("/") or key.rsplit("/", 1)[-1]
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, key, str(dest / rel))
+    ckpt = request.get("CheckpointConfig")
+    if ckpt:
+        _write_json(cfg / "checkpointconfig.json", ckpt)
+        (root / _under_opt_ml(ckpt.get("LocalPath", "/opt/ml/checkpoints"))).mkdir(parents=True)
+    (harness / "sourcedir.tar.gz").write_bytes(source_tarball(session, request))
+    return root
+
+
+def container_env(request: dict) -> dict[str, str]:
+    """The process environment on the instance: the image's, the platform's, the request's Environment."""
+    region = json.loads(request["HyperParameters"].get("sagemaker_region", '"us-east-1"'))
+    name = request["TrainingJobName"]
+    try:
+        import sagemaker_pytorch_container.training  # noqa: F401
+        module = FRAMEWORK_MODULE
+    except ImportError:
+        module = FALLBACK_FRAMEWORK_MODULE
+    if os.environ.get("SM_CONTAINER_FRAMEWORK") == "fallback":  # to test the stand-in where the real one is installed
+        module = FALLBACK_FRAMEWORK_MODULE
+    env = {
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")]),
+        "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",  # as the PyTorch image sets it
+        "SAGEMAKER_TRAINING_MODULE": module,
+        "TRAINING_JOB_NAME": name, "TRAINING_JOB_ARN": f"arn:aws:sagemaker:{region}:123456789012:training-job/{name}",
+        "AWS_REGION": region, "AWS_DEFAULT_REGION": region, "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    env.update(request.get("Environment") or {})
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it
+
+
+@dataclass
+class ContainerRun:
+    """What a replayed job left: exit statuses, output, and the files of /opt/ml/model and the checkpoints."""
+
+    returncode: int  # the container's exit status (what SageMaker reports): 0 is a Completed job
+    program_returncode: int | None  # exit status of what the toolkit ran (python/torchrun); None: never ran
+    command: list[str] | None  # the command the toolkit ran, as it logged it
+    stdout: str
+    stderr: str
+    log: str  # stdout and stderr interleaved as they came
+    model_dir: Path  # a copy of /opt/ml/model as the job left it
+    checkpoint_dir: Path | None  # CheckpointConfig.LocalPath as the job left it (None: the job has none)
+    output_dir: Path  # /opt/ml/output (success / failure files)
+    isolation: str  # "namespace" or "patched"
+    seconds: float
+
+    @property
+    def failure(self) -> str | None:
+        f = self.output_dir / "failure"
+        return f.read_text(errors="replace") if f.is_file() else None
+
+    def model_files(self) -> list[str]:
+        return _files(self.model_dir)
+
+    def checkpoint_files(self) -> list[str]:
+        return _files(self.checkpoint_dir) if self.checkpoint_dir else []
+
+    def program_log(self) -> str:
+        """The log without the toolkit's dump of its environment (pages of JSON before the command)."""
+        return re.sub(r"\nTraining Env:\n.*?\nInvoking script with the following command:\n", "\n[environment dump]\n",
+                      self.log, flags=re.S)
+
+    def program_output(self) -> str:
+        """Only what the program printed: the lines after the toolkit's command line, without its log lines."""
+        cmd = " ".join(self.command or [])
+        log = self.log
+        at = log.find("\n" + cmd + "\n") if cmd else -1
+        lines = (log[at + len(cmd) + 2:] if at >= 0 else log).splitlines()
+        return "\n".join(ln for ln in lines if not _TOOLKIT_LINE.match(ln)) + "\n"
+
+    def explain(self, tail: int = 6000) -> str:
+        """A summary for assertion messages: statuses, the command, the files, the end of the log."""
+        return (f"container exit {self.returncode}, program exit {self.program_returncode}, "
+                f"isolation {self.isolation}, {self.seconds:.1f} s\ncommand: {' '.join(self.command or ['?'])}\n"
+                f"/opt/ml/model: {self.model_files()}\ncheckpoints: {self.checkpoint_files()}\n"
+                f"--- log tail ---\n{self.program_log()[-tail:]}")
+
+
+_TOOLKIT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ +(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                           r"|sm_container: ")
+
+
+def _files(d: Path | None) -> list[str]:
+    if d is None or not d.is_dir():
+        return []
+    return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file() or p.is_symlink())
+
+
+_NAMESPACE_FLAGS: list[str] | None = None
+
+
+def namespace_flags() -> list[str] | None:
+    """The `unshare` flags this machine permits for the replay (None: no private mount namespace)."""
+    global _NAMESPACE_FLAGS
+    if _NAMESPACE_FLAGS is not None:
+        return _NAMESPACE_FLAGS or None
+    probe = 'd=$(mktemp -d) && mount -t tmpfs tmpfs "$d" && umount "$d" && rmdir "$d"'
+    extras = {"--net": " && ip link set lo up", "--uts": " && hostname algo-1", "--pid": ""}
+    base = ["--mount", "--propagation", "private"]
+    found: list[str] = []
+    if shutil.which("unshare") and _ok(["unshare", *base, "sh", "-c", probe]):
+        found = list(base)
+        for flag, check in extras.items():
+            extra = [flag, "--fork", "--kill-child", "--mount-proc"] if flag == "--pid" else [flag]
+            if (flag != "--net" or shutil.which("ip")) and _ok(["unshare", *found, *extra, "sh", "-c", probe + check]):
+                found += extra
+    _NAMESPACE_FLAGS = found
+    return found or None
+
+
+def _ok(cmd: list[str]) -> bool:
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def isolation_mode() -> str:
+    forced = os.environ.get("SM_CONTAINER_ISOLATION")
+    if forced in ("namespace", "patched"):
+        if forced == "namespace" and not namespace_flags():
+            raise HarnessError("SM_CONTAINER_ISOLATION=namespace, but unshare/mount are not permitted here")
+        return forced
+    return "namespace" if namespace_flags() else "patched"
+
+
+def unavailable() -> str | None:
+    """Why no replay can run on this machine (None: it can): for a test to skip with."""
+    try:
+        import sagemaker_training.cli.train  # noqa: F401
+    except ImportError as e:
+        return f"the container toolkit is not installed (pip install sagemaker-training): {e}"
+    try:
+        mode = isolation_mode()
+    except HarnessError as e:
+        return str(e)
+    if mode == "patched" and not os.path.islink(OPT_ML):
+        parent = os.path.dirname(OPT_ML)
+        if os.path.exists(OPT_ML):
+            return f"no mount namespace here, and {OPT_ML} exists, so it cannot be simulated"
+        if not os.access(parent if os.path.isdir(parent) else os.path.dirname(parent), os.W_OK):
+            return f"no mount namespace here, and {parent} is not writable for a temporary {OPT_ML}"
+    return None
+
+
+def replay(session: Any, launched: Any, *, workdir: str | Path, nproc: int = 2, timeout: float = 300,
+           program: list[str] | None = None) -> ContainerRun:
+    """Build the container's view of `launched.request` under `workdir` and run the job there.
+
+    `program` (an argv) runs instead of the toolkit, in the same view, cwd /opt/ml/code, with the toolkit's
+    code dir left empty unless the program fills it: for testing the harness itself.
+    """
+    request = launched.request if hasattr(launched, "request") else launched
+    prepare(session, request, workdir)
+    return run_container(workdir, request, nproc=nproc, timeout=timeout, program=program)
+
+
+def run_container(workdir: str | Path, request: dict, *, nproc: int = 2, timeout: float = 300,
+                  program: list[str] | None = None) -> ContainerRun:
+    workdir = Path(workdir).resolve()
+    root, harness = workdir / "opt_ml", workdir / "harness"
+    mode = isolation_mode()
+    ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
+    spec = {"mode": mode, "root": str(root), "harness": str(harness), "nproc": nproc, "program": program,
+            "model_copy": str(workdir / "model"), "status": str(harness / "status.json"),
+            "submit_dir": json.loads(request["HyperParameters"]["sagemaker_submit_directory"])}
+    shutil.copy2(__file__, harness / "sm_container.py")
+    (harness / "hosts").write_text(f"127.0.0.1\tlocalhost {HOST}\n::1\tlocalhost ip6-localhost\n"
+                                   f"127.0.0.1\t{socket.gethostname()}\n")
+    _write_json(harness / "spec.json", spec)
+    env = container_env(request)
+    driver = [sys.executable, str(harness / "sm_container.py"), "--driver", str(harness / "spec.json")]
+    lock = None
+    if mode == "namespace":
+        cmd = ["unshare", *namespace_flags(), *driver]
+    else:
+        cmd = driver
+        site = harness / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE.replace("@MODEL@", str(root / "model")))
+        env["PYTHONPATH"] = str(site)
+        env["SM_STUDIO_LOCAL_MODE"] = "true"  # algo-1 does not resolve here: skip the toolkit's DNS wait
+        env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's port, shared network
+        lock = _link_opt_ml(root)
+    t0 = time.time()
+    try:
+        proc = subprocess.Popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        out, err, log = _collect(proc, timeout)
+    finally:
+        if lock is not None:
+            _unlink_opt_ml(lock)
+    status = json.loads(Path(spec["status"]).read_text()) if Path(spec["status"]).is_file() else {}
+    if status.get("stage") != "done":
+        raise HarnessError(f"the harness failed ({status.get('error') or 'no status'}), exit {proc.returncode}\n"
+                           f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+    return ContainerRun(
+        returncode=proc.returncode, program_returncode=status.get("program_returncode"), command=status.get("command"),
+        stdout=out, stderr=err, log=log, model_dir=Path(spec["model_copy"]) if mode == "namespace" else root / "model",
+        checkpoint_dir=root / _under_opt_ml(ckpt) if ckpt else None, output_dir=root / "output", isolation=mode,
+        seconds=time.time() - t0)
+
+
+def _collect(proc: subprocess.Popen, timeout: float) -> tuple[str, str, str]:
+    """stdout, stderr, and both interleaved in arrival order (what CloudWatch would show)."""
+    lines: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def read(stream, i):
+        for raw in iter(stream.readline, b""):
+            with lock:
+                lines.append((i, raw.decode("utf-8", "replace")))
+        stream.close()
+
+    readers = [threading.Thread(target=read, args=(s, i), daemon=True) for i, s in enumerate((proc.stdout,
+                                                                                            proc.stderr))]
+    for t in readers:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        proc.wait()
+        for t in readers:
+            t.join(5)
+        raise HarnessError(f"the replay ran past {timeout} s\n{''.join(ln for _, ln in lines)[-6000:]}") from None
+    for t in readers:
+        t.join()
+    return ("".join(ln for i, ln in lines if i == 0), "".join(ln for i, ln in lines if i == 1),
+            "".join(ln for _, ln in lines))
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _link_opt_ml(root: Path):
+    """Patched mode: /opt/ml -> the job's dir for one run, under a lock; refuses a /opt/ml not made by us."""
+    lock = open(PATCHED_LOCK, "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        if os.path.islink(OPT_ML):
+            os.unlink(OPT_ML)  # a previous replay's (we hold the lock, so nobody else's is live)
+        if os.path.exists(OPT_ML):
+            raise HarnessError(f"patched isolation needs {OPT_ML} free, and it exists on this machine")
+        os.makedirs(os.path.dirname(OPT_ML), exist_ok=True)
+        os.symlink(root, OPT_ML)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _unlink_opt_ml(lock) -> None:
+    try:
+        if os.path.islink(OPT_ML):
+            os.unlink(OPT_ML)
+    finally:
+        lock.close()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2))
+
+
+# Patched isolation: what a separate mount on /opt/ml/model would make the kernel answer.
+SITECUSTOMIZE = r'''
+import errno as _errno
+import os as _os
+
+_MODEL = _os.path.realpath("@MODEL@")
+
+
+def _path(p, dir_fd=None):
+    p = _os.fsdecode(p) if not isinstance(p, int) else _os.readlink(f"/proc/self/fd/{p}")
+    if dir_fd is not None and not _os.path.isabs(p):
+        p = _os.path.join(_os.readlink(f"/proc/self/fd/{dir_fd}"), p)
+    head, tail = _os.path.split(_os.path.abspath(p))
+    return _os.path.join(_os.path.realpath(head), tail)
+
+
+def _inside(p):
+    return p == _MODEL or p.startswith(_MODEL + _os.sep)
+
+
+def _mover(real):
+    def move(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
+        s, d = _path(src, src_dir_fd), _path(dst, dst_dir_fd)
+        if _MODEL in (s, d):
+            raise OSError(_errno.EBUSY, "Device or resource busy (simulated mount point)", src, None, dst)
+        if _inside(s) != _inside(d):
+            raise OSError(_errno.EXDEV, "Invalid cross-device link (simulated mount)", src, None, dst)
+        return real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+    return move
+
+
+def _remover(real):
+    def rmdir(path, *, dir_fd=None):
+        if _path(path, dir_fd) == _MODEL:
+            raise OSError(_errno.EBUSY, "Device or resource busy (simulated mount point)", path)
+        return real(path, dir_fd=dir_fd)
+    return rmdir
+
+
+_os.rename, _os.replace, _os.rmdir = _mover(_os.rename), _mover(_os.replace), _remover(_os.rmdir)
+'''
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: runs inside the namespace (or with the patches), as the image's `train` entry point would
+
+
+def _sh(*cmd: str) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise HarnessError(f"{' '.join(cmd)}: {out.stderr.strip() or out.returncode}")
+
+
+def _enter_container_view(spec: dict) -> None:
+    """Inside the private mount namespace: /opt/ml, its model mount, /etc/hosts, the hostname."""
+    harness = Path(spec["harness"])
+    if os.path.exists("/sys/class/net/lo") and shutil.which("ip"):
+        subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True)
+    try:
+        socket.sethostname(HOST)
+    except (OSError, AttributeError):
+        pass  # no UTS namespace: the hosts file names this host too
+    if not os.path.isdir(OPT_ML):
+        if not os.path.isdir("/opt"):
+            raise HarnessError("no /opt on this machine to hold the private /opt/ml")
+        # /opt/ml must not be created on the host: a private tmpfs /opt, the host's entries bound back in
+        orig = harness / "host-opt"
+        orig.mkdir()
+        _sh("mount", "--rbind", "/opt", str(orig))
+        _sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/opt")
+        for e in sorted(os.listdir(orig)):
+            src, dst = orig / e, os.path.join("/opt", e)
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dst)
+                continue
+            Path(dst).mkdir() if src.is_dir() else Path(dst).touch()
+            _sh("mount", "--rbind", str(src), dst)
+        os.mkdir(OPT_ML)
+    _sh("mount", "--bind", spec["root"], OPT_ML)
+    _sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", f"{OPT_ML}/model")
+    _sh("mount", "--bind", str(harness / "hosts"), "/etc/hosts")
+
+
+def _patch_toolkit(spec: dict, status: dict) -> None:
+    """The two departures from the image (no pip install, nproc workers per host) and what we record."""
+    from sagemaker_training import files, logging_config, modules, process, torch_distributed
+
+    def no_install(path, capture_error=False):
+        print(f"sm_container: skipped `pip install -r {path}/requirements.txt`: the test environment already "
+              f"has the project and its dependencies", flush=True)
+
+    modules.install_requirements = no_install
+
+    tarball = os.path.join(spec["harness"], "sourcedir.tar.gz")
+
+    def s3_download(url, dst):
+        if url != spec["submit_dir"]:
+            raise HarnessError(f"the toolkit asked for {url}; the replay only holds {spec['submit_dir']}")
+        shutil.copyfile(tarball, dst)
+
+    files.s3_download = s3_download
+
+    init = torch_distributed.TorchDistributedRunner.__init__
+
+    def runner_init(self, user_entry_point, args, env_vars, processes_per_host, *a, **k):
+        print(f"sm_container: torchrun gets {spec['nproc']} processes per host (the toolkit would start "
+              f"{processes_per_host}: one per GPU)", flush=True)
+        init(self, user_entry_point, args, env_vars, spec["nproc"], *a, **k)
+
+    torch_distributed.TorchDistributedRunner.__init__ = runner_init
+
+    log_invocation = logging_config.log_script_invocation
+
+    def record_invocation(cmd, env_vars, logger=None):
+        status["command"] = [str(c) for c in cmd]
+        _save_status(spec, status)
+        return log_invocation(cmd, env_vars, logger)
+
+    logging_config.log_script_invocation = record_invocation
+
+    create = process.create
+
+    def record_create(*a, **k):
+        if spec["mode"] == "patched" and "MASTER_ADDR" in os.environ:  # algo-1 resolves only in the namespace
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PET_MASTER_PORT"])
+            print(f"sm_container: MASTER_ADDR=127.0.0.1 MASTER_PORT={os.environ['MASTER_PORT']} (patched isolation: "
+                  f"{HOST} does not resolve here)", flush=True)
+        rc, output, proc = create(*a, **k)
+        status["program_returncode"] = rc
+        _save_status(spec, status)
+        return rc, output, proc
+
+    process.create = record_create
+
+
+def pytorch_training_main() -> None:
+    """sagemaker_pytorch_container.training:main (sagemaker-pytorch-training 3.0.0), for where it is not
+    installed: the same runner choice and the same sagemaker_training calls, for the runners we launch."""
+    from sagemaker_training import entry_point, environment, runner
+
+    env = environment.Environment()
+    if os.environ.get("SM_STUDIO_LOCAL_MODE", "False").lower() != "true":
+        for host in env.hosts:
+            socket.gethostbyname(host)
+    os.environ.update(NCCL_SOCKET_IFNAME=env.network_interface_name, NCCL_IB_DISABLE="1", NCCL_DEBUG="WARN")
+    os.environ.update(MASTER_ADDR=env.master_hostname, MASTER_PORT="7777")
+    fw = env.additional_framework_parameters
+    runner_type = runner.ProcessRunnerType
+    if env.current_instance_group in env.distribution_instance_groups:
+        others = [k for k in ("sagemaker_mpi_enabled", "sagemaker_pytorch_ddp_enabled",
+                              "sagemaker_distributed_dataparallel_enabled",
+                              "sagemaker_pytorch_xla_multi_worker_enabled") if fw.get(k)]
+        if others:
+            raise HarnessError(f"the fallback toolkit module replays torch_distributed only, not {others}")
+        if fw.get("sagemaker_torch_distributed_enabled"):
+            runner_type = runner.TorchDistributedRunnerType
+    import torch
+
+    os.environ["SM_DLC_TORCH_VERSION"] = torch.__version__
+    entry_point.run(uri=env.module_dir, user_entry_point=env.user_entry_point, args=env.to_cmd_args(),
+                    env_vars=env.to_env_vars(), capture_error=not fw.get("sagemaker_toolkit_native_launcher_enabled"),
+                    runner_type=runner_type)
+
+
+def _save_status(spec: dict, status: dict) -> None:
+    tmp = spec["status"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, spec["status"])
+
+
+def _driver(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    status: dict[str, Any] = {"stage": "setup"}
+    _save_status(spec, status)
+    try:
+        if spec["mode"] == "namespace":
+            _enter_container_view(spec)
+        probe = os.path.join(OPT_ML, "input", "config", "hyperparameters.json")
+        if not os.path.isfile(probe):
+            raise HarnessError(f"{probe} is not there: the container view was not set up")
+        if not spec["program"]:
+            _patch_toolkit(spec, status)
+            from sagemaker_training.cli import train as toolkit_train
+    except Exception:
+        status["error"] = traceback.format_exc()
+        _save_status(spec, status)
+        print(f"sm_container harness error:\n{status['error']}", file=sys.stderr, flush=True)
+        return HARNESS_EXIT
+    status["stage"] = "running"
+    _save_status(spec, status)
+    code: int = 1
+    try:
+        if spec["program"]:
+            status["command"] = spec["program"]
+            code = subprocess.run(spec["program"], cwd=os.path.join(OPT_ML, "code")).returncode
+            status["program_returncode"] = code
+        else:
+            try:
+                toolkit_train.main()  # trainer.train() always ends in sys.exit
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            if spec["mode"] == "namespace":
+                shutil.copytree(os.path.join(OPT_ML, "model"), spec["model_copy"], symlinks=True)
+            status["stage"] = "done"
+        except Exception:
+            status["error"] = "copying /opt/ml/model out failed:\n" + traceback.format_exc()
+            code = HARNESS_EXIT
+        _save_status(spec, status)
+    return code
+
+
+__all__ = ["BUCKET", "ROLE", "ContainerRun", "HarnessError", "aws_test_env", "container_env", "input_flags",
+           "isolation_mode", "launch", "namespace_flags", "prepare", "pytorch_training_main", "replay",
+           "run_container", "source_tarball", "unavailable", "upload"]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--driver":
+        sys.exit(_driver(sys.argv[2]))
+    sys.exit("usage: sm_container.py --driver SPEC.json (replay() runs it; see the module docstring)")

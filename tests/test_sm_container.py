@@ -1,0 +1,311 @@
+"""Each stage launched with the real launcher and replayed in a simulated container by the real toolkit.
+
+tests/sm_container.py builds /opt/ml from the CreateTrainingJob request (hyperparameters as sent, channels
+downloaded from the mocked S3, the uploaded sourcedir) with /opt/ml/model a separate mount, and runs
+sagemaker-training's entry point, which maps the hyperparameters to argv and starts `python SCRIPT ...`
+or `torchrun ... train.py ...`. What fails here fails on SageMaker: flags the container spells
+differently from the launcher, channels that arrive but are never read, renames into /opt/ml/model.
+The first tests check the harness itself with probe programs, so a harness fault never reads as a
+product one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from minilm_az import sagemaker as sm
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # pytest's rootdir-relative import puts it there
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sm_container as smc  # noqa: E402
+
+ROOT = sm.PROJECT_ROOT
+AZ = ROOT / "data" / "az"
+CHAT, CHAT_VAL = ROOT / "data" / "chat" / "az_chat.jsonl", ROOT / "data" / "chat" / "az_chat_val.jsonl"
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    """A boto3 session inside moto's mock of S3 and SageMaker (as tests/test_sagemaker.py sets it up)."""
+    pytest.importorskip("sagemaker")
+    moto = pytest.importorskip("moto")
+    why = smc.unavailable()
+    if why:
+        pytest.skip(why)
+    import boto3
+
+    for k, v in smc.aws_test_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with moto.mock_aws():
+        yield boto3.Session(region_name="us-east-1")
+
+
+def replay(aws, argv, tmp_path, inputs=None, root=ROOT, **kw) -> smc.ContainerRun:
+    launched = smc.launch(aws, argv, inputs=inputs, root=root)
+    return smc.replay(aws, launched, workdir=tmp_path / "job", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, made with the library (not the scripts under test)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for name in ("django.txt", "mediawiki.txt"):
+        shutil.copy2(AZ / name, d / name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
+    from minilm_az.shards import write_shards
+    from minilm_az.tokenizer import EOS, encode_plain, load_tokenizer, tokenizer_hash
+
+    tok = load_tokenizer(small_tokenizer_dir)
+    docs = [ln.strip() for name in ("django.txt", "mediawiki.txt")
+            for ln in (AZ / name).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    out = str(tmp_path_factory.mktemp("shards") / "shards")
+    write_shards(docs, out, functools.partial(encode_plain, tok), tok.get_vocab_size(), tok.token_to_id(EOS),
+                 tokenizer_hash(small_tokenizer_dir), val_fraction=0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(small_tokenizer_dir, tmp_path_factory) -> str:
+    """A randomly initialised tiny model in HF format, with the tokenizer beside it (a phase-2 export's layout)."""
+    from minilm_az.checkpoint import save_pretrained
+    from minilm_az.model import build_model, get_preset
+    from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer
+
+    out = str(tmp_path_factory.mktemp("base") / "model")
+    vocab = load_tokenizer(small_tokenizer_dir).get_vocab_size()
+    save_pretrained(build_model(get_preset("tiny", vocab), seed=0), out)
+    copy_tokenizer_files(small_tokenizer_dir, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness itself
+
+PROBE_VIEW = textwrap.dedent("""
+    import errno, json, os, shutil, socket
+    cfg = "/opt/ml/input/config/"
+    hps = json.load(open(cfg + "hyperparameters.json"))
+    channels = sorted(json.load(open(cfg + "inputdataconfig.json")))
+    data = sorted(os.listdir("/opt/ml/input/data/corpus"))
+    open("/opt/ml/output/staged", "w").write("x")
+    try:
+        os.replace("/opt/ml/output/staged", "/opt/ml/model/staged")
+        rename = "ok"
+    except OSError as e:
+        rename = errno.errorcode[e.errno]
+    try:
+        os.rmdir("/opt/ml/model")
+        rmdir = "ok"
+    except OSError as e:
+        rmdir = errno.errorcode[e.errno]
+    try:
+        shutil.rmtree("/opt/ml/model")
+        rmtree = "ok"
+    except OSError as e:
+        rmtree = errno.errorcode[e.errno]
+    shutil.copy("/opt/ml/output/staged", "/opt/ml/model/probe.txt")  # a copy crosses mounts fine
+    print("PROBE " + json.dumps({"hps": hps, "channels": channels, "data": data, "rename": rename,
+                                  "rmdir": rmdir, "rmtree": rmtree, "host": socket.gethostname(),
+                                  "cwd": os.getcwd()}))
+""")
+
+
+def run_hps(tmp_path) -> dict:
+    return json.loads((tmp_path / "job" / "opt_ml" / "input" / "config" / "hyperparameters.json").read_text())
+
+
+def code_dir(run: smc.ContainerRun, tmp_path) -> str:
+    """/opt/ml/code as a program sees it (patched isolation: /opt/ml is a symlink, which getcwd resolves)."""
+    return "/opt/ml/code" if run.isolation == "namespace" else str((tmp_path / "job" / "opt_ml" / "code").resolve())
+
+
+def toolkit_argv(hps: dict) -> list[str]:
+    """sagemaker-training's mapping, written out: sorted keys, one dash for one letter, JSON-decoded values."""
+    out = []
+    for k in sorted(k for k in hps if not k.startswith("sagemaker_")):
+        out += [f"-{k}" if len(k) == 1 else f"--{k}", str(json.loads(hps[k]))]
+    return out
+
+
+def _probe(run: smc.ContainerRun, tag: str = "PROBE") -> list[dict]:
+    return [json.loads(m.group(1)) for m in re.finditer(rf"^{tag} (.*)$", run.log, re.M)]
+
+
+def test_harness_view_has_the_request_the_channels_and_a_separate_model_mount(aws, tmp_path, corpus_dir):
+    run = replay(aws, ["tokenize", "train", "--vocab-size", "400"], tmp_path, inputs={"--corpus": corpus_dir},
+                 program=[sys.executable, "-c", PROBE_VIEW])
+    assert run.returncode == 0, run.explain()
+    (p,) = _probe(run)
+    assert p["hps"]["vocab-size"] == "400" and json.loads(p["hps"]["sagemaker_program"]) == sm.ENTRY_WRAPPER
+    assert p["channels"] == ["corpus"] and p["data"] == ["django.txt", "mediawiki.txt"]
+    assert p["hps"] == run_hps(tmp_path)  # exactly the request's HyperParameters
+    assert (p["rename"], p["rmdir"], p["rmtree"]) == ("EXDEV", "EBUSY", "EBUSY")
+    assert p["cwd"] == code_dir(run, tmp_path)
+    if run.isolation == "namespace":
+        assert p["host"] == "algo-1"
+        assert not Path("/opt/ml/model/probe.txt").exists()  # the host's /opt/ml was never written
+    assert run.model_files() == ["probe.txt"] and run.checkpoint_dir is None
+
+
+PROBE_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    env = {k: v for k, v in os.environ.items() if k.startswith(("SM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    print("PROBE " + json.dumps({"argv": sys.argv, "env": env, "path": sys.path[:2]}), flush=True)
+    code = 3 if os.environ.get("SM_HP_STEPS") == "3" else 0
+    if os.environ.get("RANK", "0") == "0":
+        open(os.path.join(os.environ["SM_MODEL_DIR"], "probe.json"), "w").write(json.dumps(sys.argv))
+        ckpt = "/opt/ml/checkpoints"
+        if os.path.isdir(ckpt):
+            os.makedirs(ckpt + "/phase2", exist_ok=True)
+            open(ckpt + "/phase2/probe", "w").write("x")
+    sys.exit(code)
+""")
+
+
+@pytest.fixture
+def probe_project(tmp_path) -> Path:
+    """A copy of the checkout whose train.py and finetune.py are PROBE_SCRIPT.
+
+    tokenize.py stays real: /opt/ml/code is on the container's PYTHONPATH, so every `import tokenize` of the
+    standard library (torch, torchrun) meets it, and only the real one hands that import back to the stdlib.
+    """
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in [*ROOT.glob("*.py"), *(ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md",
+                                                       sm.REQUIREMENTS_FILE))]:
+        if f.is_file():
+            shutil.copy2(f, root / f.name)
+    for script in ("train.py", "finetune.py"):
+        (root / script).write_text(PROBE_SCRIPT)
+    return root
+
+
+def test_harness_runs_train_under_the_toolkits_torchrun_with_its_argv_and_env(aws, tmp_path, probe_project,
+                                                                                shards_dir):
+    run = replay(aws, ["train", "--phase", "2", "--steps", "4", "--no-liger", "--lr", "3e-4"], tmp_path,
+                 inputs={"--data": shards_dir}, root=probe_project)
+    assert run.returncode == 0 and run.program_returncode == 0, run.explain()
+    assert run.command[:6] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"], run.command
+    probes = _probe(run)
+    assert sorted(p["env"]["RANK"] for p in probes) == ["0", "1"] and probes[0]["env"]["WORLD_SIZE"] == "2"
+    hps = run_hps(tmp_path)
+    argv = probes[0]["argv"][1:]
+    assert argv == toolkit_argv(hps) == sm.container_args(hps)  # the launcher's model of the container holds
+    assert {("--liger", "false"), ("--lr", "3e-4"), ("--phase", "2"), ("--steps", "4")} <= set(zip(argv, argv[1:]))
+    env = probes[0]["env"]
+    assert env["SM_CHANNEL_DATA"] == "/opt/ml/input/data/data" and env["SM_MODEL_DIR"] == "/opt/ml/model"
+    assert json.loads(env["SM_HPS"]) == {k: json.loads(v) for k, v in hps.items() if not k.startswith("sagemaker_")}
+    assert json.loads(env["SM_USER_ARGS"]) == argv
+    assert probes[0]["path"][0] == code_dir(run, tmp_path)  # the uploaded code, not this checkout
+    assert run.model_files() == ["probe.json"] and run.checkpoint_files() == ["phase2/probe"]
+    assert (run.output_dir / "success").is_file()
+
+
+def test_harness_reports_a_failing_program_as_a_failed_job(aws, tmp_path, probe_project, base_model_dir):
+    run = replay(aws, ["finetune", "--steps", "3"], tmp_path, inputs={"--data": CHAT, "--model": base_model_dir},
+                 root=probe_project)
+    assert run.program_returncode == 3 and run.returncode != 0, run.explain()
+    assert run.command[1:3] == ["--", "finetune.py"] and "torchrun" not in run.command, run.command
+    assert run.failure and "ExecuteUserScriptError" in run.failure
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages, as SageMaker runs them
+
+
+def _metric_values(log: str, name: str, metrics=sm.TRAIN_METRICS) -> list[float]:
+    rx = re.compile(next(m["Regex"] for m in metrics if m["Name"] == name))
+    return [float(m.group(1)) for m in map(rx.search, log.splitlines()) if m]
+
+
+@pytest.mark.slow
+def test_tokenize_train_with_passthrough_flags_writes_the_tokenizer_to_the_model_dir(aws, tmp_path, corpus_dir):
+    run = replay(aws, ["tokenize", "train", "--vocab-size", "400", "--no-progress", "--overwrite"], tmp_path,
+                 inputs={"--corpus": corpus_dir})
+    assert run.returncode == 0, run.explain()
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(run.model_files()), \
+        run.explain()
+    from minilm_az.tokenizer import load_tokenizer
+
+    assert load_tokenizer(str(run.model_dir)).get_vocab_size() == 400
+
+
+@pytest.mark.slow
+def test_tokenize_encode_writes_shards_and_index_to_the_model_dir(aws, tmp_path, corpus_dir, small_tokenizer_dir):
+    run = replay(aws, ["tokenize", "encode", "--val-fraction", "0.1"], tmp_path,
+                 inputs={"--corpus": corpus_dir, "--tokenizer": small_tokenizer_dir})
+    assert run.returncode == 0, run.explain()
+    files = run.model_files()
+    assert "index.json" in files and any(f.endswith(".bin") for f in files), run.explain()
+    index = json.loads((run.model_dir / "index.json").read_text())
+    assert all(index["splits"][s]["tokens"] > 0 for s in ("train", "val")), index
+
+
+@pytest.mark.slow
+def test_train_phase2_under_torchrun_exports_and_checkpoints(aws, tmp_path, shards_dir, small_tokenizer_dir):
+    run = replay(aws, ["train", "--phase", "2", "--preset", "tiny", "--steps", "4", "--checkpoint-every", "2",
+                       "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4", "--eval-every", "2",
+                       "--log-every", "1", "--no-liger"], tmp_path,
+                 inputs={"--data": shards_dir, "--tokenizer": small_tokenizer_dir})
+    assert run.returncode == 0, run.explain()
+    assert run.command[:6] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"], run.command
+    files = run.model_files()
+    assert "config.json" in files and "model.safetensors" in files, run.explain()
+    assert "tokenizer.json" in files
+    from minilm_az.checkpoint import is_complete, latest_checkpoint
+
+    latest = latest_checkpoint(str(run.checkpoint_dir / "phase2"))
+    assert latest and is_complete(latest), run.explain()
+    log = run.program_output()
+    assert len(_metric_values(log, "train:loss")) == 4, run.explain()  # CloudWatch reads these off the log
+    assert _metric_values(log, "eval:val_bpb"), run.explain()
+
+
+def _count_lines(path: Path) -> int:
+    return sum(1 for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip())
+
+
+@pytest.mark.slow
+def test_finetune_reads_the_val_data_channel_and_writes_the_adapter(aws, tmp_path, base_model_dir):
+    data, val = tmp_path / "sft", tmp_path / "sft-val"
+    data.mkdir()
+    val.mkdir()
+    shutil.copy2(CHAT, data / CHAT.name)
+    shutil.copy2(CHAT_VAL, val / CHAT_VAL.name)
+    n_val = _count_lines(CHAT_VAL)
+    assert n_val != max(1, int(_count_lines(CHAT) * 0.05))  # the val file's count is not the 5 % split's
+    run = replay(aws, ["finetune", "--lora-r", "4", "--lora-alpha", "8", "--steps", "2", "--micro-batch", "2",
+                       "--global-batch", "4", "--max-seq-len", "256", "--eval-every", "1", "--log-every", "1",
+                       "--no-liger"], tmp_path,
+                 inputs={"--model": base_model_dir, "--data": data, "--val-data": val})
+    assert run.returncode == 0, run.explain()
+    files = run.model_files()
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files), run.explain()
+    cfg = json.loads((run.model_dir / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"]) == (4, 8), cfg
+    # the val conversations came from the val_data channel's file: the program names it, and the count it logs
+    # is that file's (no 5 % split of --data, no other file, gives it)
+    out = run.program_output().splitlines()
+    named = [ln for ln in out if CHAT_VAL.name in ln]
+    assert named, f"the program never names {CHAT_VAL.name}\n{run.explain()}"
+    on_named, as_key = rf"(?<![\w.]){n_val}(?![\w.])", rf"\bval\w*={n_val}(?![\w.])"
+    assert any(re.search(on_named, ln) for ln in named) or any(re.search(as_key, ln) for ln in out), \
+        f"no log line gives the val set's size as {n_val} (the lines of {CHAT_VAL.name})\n{run.explain()}"
+    assert _metric_values(run.program_output(), "eval:val_loss", sm.FINETUNE_METRICS)
