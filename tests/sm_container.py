@@ -80,10 +80,17 @@ class HarnessError(RuntimeError):
 
 def aws_test_env() -> dict[str, str]:
     """Environment for a boto3 session inside moto: fake credentials, a region, no config files or metadata."""
-    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-            "SAGEMAKER_SUPPRESS_V2_WARNING": "1"}
+    return {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "SAGEMAKER_SUPPRESS_V2_WARNING": "1",
+    }
 
 
 def upload(session: Any, local: str | Path, uri: str) -> str:
@@ -105,12 +112,20 @@ def input_flags(stage: str) -> dict[str, str]:
     from minilm_az import sagemaker as sm
 
     sub = next(a for a in sm.build_parser()._actions if a.dest == "stage")
-    return {flag: a.dest[3:] for a in sub.choices[stage]._actions if a.dest.startswith("ch_")
-            for flag in a.option_strings}
+    return {
+        flag: a.dest[3:] for a in sub.choices[stage]._actions if a.dest.startswith("ch_") for flag in a.option_strings
+    }
 
 
-def launch(session: Any, argv: list[str], *, inputs: dict[str, str | Path] | None = None,
-           root: str | Path = PROJECT_ROOT, bucket: str = BUCKET, role: str = ROLE):
+def launch(
+    session: Any,
+    argv: list[str],
+    *,
+    inputs: dict[str, str | Path] | None = None,
+    root: str | Path = PROJECT_ROOT,
+    bucket: str = BUCKET,
+    role: str = ROLE,
+):
     """`python -m minilm_az.sagemaker ARGV --input s3://... --role ROLE --bucket BUCKET`, against moto.
 
     `inputs` maps a launcher input flag (`--data`, `--model`, `--val-data`: what a user types) to a local
@@ -174,15 +189,29 @@ def prepare(session: Any, request: dict, workdir: str | Path) -> Path:
     for d in (cfg, root / "input" / "data", root / "code", root / "model", root / "output" / "data", harness):
         d.mkdir(parents=True)
     _write_json(cfg / "hyperparameters.json", request["HyperParameters"])
-    _write_json(cfg / "resourceconfig.json", {
-        "current_host": HOST, "current_instance_type": itype, "current_group_name": "homogeneousCluster",
-        "hosts": [HOST], "network_interface_name": "eth0",
-        "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": itype, "hosts": [HOST]}],
-    })
+    _write_json(
+        cfg / "resourceconfig.json",
+        {
+            "current_host": HOST,
+            "current_instance_type": itype,
+            "current_group_name": "homogeneousCluster",
+            "hosts": [HOST],
+            "network_interface_name": "eth0",
+            "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": itype, "hosts": [HOST]}],
+        },
+    )
     channels = request.get("InputDataConfig") or []
-    _write_json(cfg / "inputdataconfig.json", {
-        c["ChannelName"]: {"TrainingInputMode": c.get("InputMode", "File"), "S3DistributionType": "FullyReplicated",
-                           "RecordWrapperType": "None"} for c in channels})
+    _write_json(
+        cfg / "inputdataconfig.json",
+        {
+            c["ChannelName"]: {
+                "TrainingInputMode": c.get("InputMode", "File"),
+                "S3DistributionType": "FullyReplicated",
+                "RecordWrapperType": "None",
+            }
+            for c in channels
+        },
+    )
     s3 = session.client("s3")
     for c in channels:
         src = c["DataSource"]["S3DataSource"]
@@ -191,12 +220,16 @@ def prepare(session: Any, request: dict, workdir: str | Path) -> Path:
         bucket, prefix = _split_s3(src["S3Uri"])
         dest = root / "input" / "data" / c["ChannelName"]
         dest.mkdir()
-        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-                for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+        keys = [
+            o["Key"]
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])
+            if not o["Key"].endswith("/")
+        ]
         if not keys:  # SageMaker fails such a job before the container starts
             raise HarnessError(f"channel {c['ChannelName']}: no S3 objects under {src['S3Uri']}")
         for key in keys:
-            rel = key[len(prefix):].lstrip("/") or key.rsplit("/", 1)[-1]
+            rel = key[len(prefix) :].lstrip("/") or key.rsplit("/", 1)[-1]
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, key, str(dest / rel))
     ckpt = request.get("CheckpointConfig")
@@ -213,6 +246,7 @@ def container_env(request: dict) -> dict[str, str]:
     name = request["TrainingJobName"]
     try:
         import sagemaker_pytorch_container.training  # noqa: F401
+
         module = FRAMEWORK_MODULE
     except ImportError:
         module = FALLBACK_FRAMEWORK_MODULE
@@ -220,11 +254,16 @@ def container_env(request: dict) -> dict[str, str]:
         module = FALLBACK_FRAMEWORK_MODULE
     env = {
         "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")]),
-        "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",  # as the PyTorch image sets it
         "SAGEMAKER_TRAINING_MODULE": module,
-        "TRAINING_JOB_NAME": name, "TRAINING_JOB_ARN": f"arn:aws:sagemaker:{region}:123456789012:training-job/{name}",
-        "AWS_REGION": region, "AWS_DEFAULT_REGION": region, "AWS_EC2_METADATA_DISABLED": "true",
+        "TRAINING_JOB_NAME": name,
+        "TRAINING_JOB_ARN": f"arn:aws:sagemaker:{region}:123456789012:training-job/{name}",
+        "AWS_REGION": region,
+        "AWS_DEFAULT_REGION": region,
+        "AWS_EC2_METADATA_DISABLED": "true",
     }
     env.update(request.get("Environment") or {})
     return env
@@ -263,27 +302,35 @@ class ContainerRun:
 
     def program_log(self) -> str:
         """The log without the toolkit's dump of its environment (pages of JSON before the command)."""
-        return re.sub(r"\nTraining Env:\n.*?\nInvoking script with the following command:\n", "\n[environment dump]\n",
-                      self.log, flags=re.S)
+        return re.sub(
+            r"\nTraining Env:\n.*?\nInvoking script with the following command:\n",
+            "\n[environment dump]\n",
+            self.log,
+            flags=re.S,
+        )
 
     def program_output(self) -> str:
         """Only what the program printed: the lines after the toolkit's command line, without its log lines."""
         cmd = " ".join(self.command or [])
         log = self.log
         at = log.find("\n" + cmd + "\n") if cmd else -1
-        lines = (log[at + len(cmd) + 2:] if at >= 0 else log).splitlines()
+        lines = (log[at + len(cmd) + 2 :] if at >= 0 else log).splitlines()
         return "\n".join(ln for ln in lines if not _TOOLKIT_LINE.match(ln)) + "\n"
 
     def explain(self, tail: int = 6000) -> str:
         """A summary for assertion messages: statuses, the command, the files, the end of the log."""
-        return (f"container exit {self.returncode}, program exit {self.program_returncode}, "
-                f"isolation {self.isolation}, {self.seconds:.1f} s\ncommand: {' '.join(self.command or ['?'])}\n"
-                f"/opt/ml/model: {self.model_files()}\ncheckpoints: {self.checkpoint_files()}\n"
-                f"--- log tail ---\n{self.program_log()[-tail:]}")
+        return (
+            f"container exit {self.returncode}, program exit {self.program_returncode}, "
+            f"isolation {self.isolation}, {self.seconds:.1f} s\ncommand: {' '.join(self.command or ['?'])}\n"
+            f"/opt/ml/model: {self.model_files()}\ncheckpoints: {self.checkpoint_files()}\n"
+            f"--- log tail ---\n{self.program_log()[-tail:]}"
+        )
 
 
-_TOOLKIT_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ +(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                           r"|sm_container: ")
+_TOOLKIT_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ +(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"|sm_container: "
+)
 
 
 def _files(d: Path | None) -> list[str]:
@@ -349,8 +396,15 @@ def unavailable() -> str | None:
     return None
 
 
-def replay(session: Any, launched: Any, *, workdir: str | Path, nproc: int = 2, timeout: float = 300,
-           program: list[str] | None = None) -> ContainerRun:
+def replay(
+    session: Any,
+    launched: Any,
+    *,
+    workdir: str | Path,
+    nproc: int = 2,
+    timeout: float = 300,
+    program: list[str] | None = None,
+) -> ContainerRun:
     """Build the container's view of `launched.request` under `workdir` and run the job there.
 
     `program` (an argv) runs instead of the toolkit, in the same view, cwd /opt/ml/code, with the toolkit's
@@ -361,18 +415,27 @@ def replay(session: Any, launched: Any, *, workdir: str | Path, nproc: int = 2, 
     return run_container(workdir, request, nproc=nproc, timeout=timeout, program=program)
 
 
-def run_container(workdir: str | Path, request: dict, *, nproc: int = 2, timeout: float = 300,
-                  program: list[str] | None = None) -> ContainerRun:
+def run_container(
+    workdir: str | Path, request: dict, *, nproc: int = 2, timeout: float = 300, program: list[str] | None = None
+) -> ContainerRun:
     workdir = Path(workdir).resolve()
     root, harness = workdir / "opt_ml", workdir / "harness"
     mode = isolation_mode()
     ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
-    spec = {"mode": mode, "root": str(root), "harness": str(harness), "nproc": nproc, "program": program,
-            "model_copy": str(workdir / "model"), "status": str(harness / "status.json"),
-            "submit_dir": json.loads(request["HyperParameters"]["sagemaker_submit_directory"])}
+    spec = {
+        "mode": mode,
+        "root": str(root),
+        "harness": str(harness),
+        "nproc": nproc,
+        "program": program,
+        "model_copy": str(workdir / "model"),
+        "status": str(harness / "status.json"),
+        "submit_dir": json.loads(request["HyperParameters"]["sagemaker_submit_directory"]),
+    }
     shutil.copy2(__file__, harness / "sm_container.py")
-    (harness / "hosts").write_text(f"127.0.0.1\tlocalhost {HOST}\n::1\tlocalhost ip6-localhost\n"
-                                   f"127.0.0.1\t{socket.gethostname()}\n")
+    (harness / "hosts").write_text(
+        f"127.0.0.1\tlocalhost {HOST}\n::1\tlocalhost ip6-localhost\n127.0.0.1\t{socket.gethostname()}\n"
+    )
     _write_json(harness / "spec.json", spec)
     env = container_env(request)
     driver = [sys.executable, str(harness / "sm_container.py"), "--driver", str(harness / "spec.json")]
@@ -390,21 +453,32 @@ def run_container(workdir: str | Path, request: dict, *, nproc: int = 2, timeout
         lock = _link_opt_ml(root)
     t0 = time.time()
     try:
-        proc = subprocess.Popen(cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=str(workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
         out, err, log = _collect(proc, timeout)
     finally:
         if lock is not None:
             _unlink_opt_ml(lock)
     status = json.loads(Path(spec["status"]).read_text()) if Path(spec["status"]).is_file() else {}
     if status.get("stage") != "done":
-        raise HarnessError(f"the harness failed ({status.get('error') or 'no status'}), exit {proc.returncode}\n"
-                           f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+        raise HarnessError(
+            f"the harness failed ({status.get('error') or 'no status'}), exit {proc.returncode}\n"
+            f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}"
+        )
     return ContainerRun(
-        returncode=proc.returncode, program_returncode=status.get("program_returncode"), command=status.get("command"),
-        stdout=out, stderr=err, log=log, model_dir=Path(spec["model_copy"]) if mode == "namespace" else root / "model",
-        checkpoint_dir=root / _under_opt_ml(ckpt) if ckpt else None, output_dir=root / "output", isolation=mode,
-        seconds=time.time() - t0)
+        returncode=proc.returncode,
+        program_returncode=status.get("program_returncode"),
+        command=status.get("command"),
+        stdout=out,
+        stderr=err,
+        log=log,
+        model_dir=Path(spec["model_copy"]) if mode == "namespace" else root / "model",
+        checkpoint_dir=root / _under_opt_ml(ckpt) if ckpt else None,
+        output_dir=root / "output",
+        isolation=mode,
+        seconds=time.time() - t0,
+    )
 
 
 def _collect(proc: subprocess.Popen, timeout: float) -> tuple[str, str, str]:
@@ -418,8 +492,9 @@ def _collect(proc: subprocess.Popen, timeout: float) -> tuple[str, str, str]:
                 lines.append((i, raw.decode("utf-8", "replace")))
         stream.close()
 
-    readers = [threading.Thread(target=read, args=(s, i), daemon=True) for i, s in enumerate((proc.stdout,
-                                                                                            proc.stderr))]
+    readers = [
+        threading.Thread(target=read, args=(s, i), daemon=True) for i, s in enumerate((proc.stdout, proc.stderr))
+    ]
     for t in readers:
         t.start()
     try:
@@ -432,8 +507,11 @@ def _collect(proc: subprocess.Popen, timeout: float) -> tuple[str, str, str]:
         raise HarnessError(f"the replay ran past {timeout} s\n{''.join(ln for _, ln in lines)[-6000:]}") from None
     for t in readers:
         t.join()
-    return ("".join(ln for i, ln in lines if i == 0), "".join(ln for i, ln in lines if i == 1),
-            "".join(ln for _, ln in lines))
+    return (
+        "".join(ln for i, ln in lines if i == 0),
+        "".join(ln for i, ln in lines if i == 1),
+        "".join(ln for _, ln in lines),
+    )
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -479,7 +557,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 # Patched isolation: what a separate mount on /opt/ml/model would make the kernel answer.
-SITECUSTOMIZE = r'''
+SITECUSTOMIZE = r"""
 import errno as _errno
 import os as _os
 
@@ -518,7 +596,7 @@ def _remover(real):
 
 
 _os.rename, _os.replace, _os.rmdir = _mover(_os.rename), _mover(_os.replace), _remover(_os.rmdir)
-'''
+"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,8 +644,11 @@ def _patch_toolkit(spec: dict, status: dict) -> None:
     from sagemaker_training import files, logging_config, modules, process, torch_distributed
 
     def no_install(path, capture_error=False):
-        print(f"sm_container: skipped `pip install -r {path}/requirements.txt`: the test environment already "
-              f"has the project and its dependencies", flush=True)
+        print(
+            f"sm_container: skipped `pip install -r {path}/requirements.txt`: the test environment already "
+            f"has the project and its dependencies",
+            flush=True,
+        )
 
     modules.install_requirements = no_install
 
@@ -583,8 +664,11 @@ def _patch_toolkit(spec: dict, status: dict) -> None:
     init = torch_distributed.TorchDistributedRunner.__init__
 
     def runner_init(self, user_entry_point, args, env_vars, processes_per_host, *a, **k):
-        print(f"sm_container: torchrun gets {spec['nproc']} processes per host (the toolkit would start "
-              f"{processes_per_host}: one per GPU)", flush=True)
+        print(
+            f"sm_container: torchrun gets {spec['nproc']} processes per host (the toolkit would start "
+            f"{processes_per_host}: one per GPU)",
+            flush=True,
+        )
         init(self, user_entry_point, args, env_vars, spec["nproc"], *a, **k)
 
     torch_distributed.TorchDistributedRunner.__init__ = runner_init
@@ -603,8 +687,11 @@ def _patch_toolkit(spec: dict, status: dict) -> None:
     def record_create(*a, **k):
         if spec["mode"] == "patched" and "MASTER_ADDR" in os.environ:  # algo-1 resolves only in the namespace
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PET_MASTER_PORT"])
-            print(f"sm_container: MASTER_ADDR=127.0.0.1 MASTER_PORT={os.environ['MASTER_PORT']} (patched isolation: "
-                  f"{HOST} does not resolve here)", flush=True)
+            print(
+                f"sm_container: MASTER_ADDR=127.0.0.1 MASTER_PORT={os.environ['MASTER_PORT']} (patched isolation: "
+                f"{HOST} does not resolve here)",
+                flush=True,
+            )
         rc, output, proc = create(*a, **k)
         status["program_returncode"] = rc
         _save_status(spec, status)
@@ -627,9 +714,16 @@ def pytorch_training_main() -> None:
     fw = env.additional_framework_parameters
     runner_type = runner.ProcessRunnerType
     if env.current_instance_group in env.distribution_instance_groups:
-        others = [k for k in ("sagemaker_mpi_enabled", "sagemaker_pytorch_ddp_enabled",
-                              "sagemaker_distributed_dataparallel_enabled",
-                              "sagemaker_pytorch_xla_multi_worker_enabled") if fw.get(k)]
+        others = [
+            k
+            for k in (
+                "sagemaker_mpi_enabled",
+                "sagemaker_pytorch_ddp_enabled",
+                "sagemaker_distributed_dataparallel_enabled",
+                "sagemaker_pytorch_xla_multi_worker_enabled",
+            )
+            if fw.get(k)
+        ]
         if others:
             raise HarnessError(f"the fallback toolkit module replays torch_distributed only, not {others}")
         if fw.get("sagemaker_torch_distributed_enabled"):
@@ -637,9 +731,14 @@ def pytorch_training_main() -> None:
     import torch
 
     os.environ["SM_DLC_TORCH_VERSION"] = torch.__version__
-    entry_point.run(uri=env.module_dir, user_entry_point=env.user_entry_point, args=env.to_cmd_args(),
-                    env_vars=env.to_env_vars(), capture_error=not fw.get("sagemaker_toolkit_native_launcher_enabled"),
-                    runner_type=runner_type)
+    entry_point.run(
+        uri=env.module_dir,
+        user_entry_point=env.user_entry_point,
+        args=env.to_cmd_args(),
+        env_vars=env.to_env_vars(),
+        capture_error=not fw.get("sagemaker_toolkit_native_launcher_enabled"),
+        runner_type=runner_type,
+    )
 
 
 def _save_status(spec: dict, status: dict) -> None:
@@ -695,9 +794,25 @@ def _driver(spec_path: str) -> int:
     return code
 
 
-__all__ = ["BUCKET", "ROLE", "ContainerRun", "HarnessError", "aws_test_env", "container_env", "input_flags",
-           "isolation_mode", "launch", "namespace_flags", "prepare", "pytorch_training_main", "replay",
-           "run_container", "source_tarball", "unavailable", "upload"]
+__all__ = [
+    "BUCKET",
+    "ROLE",
+    "ContainerRun",
+    "HarnessError",
+    "aws_test_env",
+    "container_env",
+    "input_flags",
+    "isolation_mode",
+    "launch",
+    "namespace_flags",
+    "prepare",
+    "pytorch_training_main",
+    "replay",
+    "run_container",
+    "source_tarball",
+    "unavailable",
+    "upload",
+]
 
 
 if __name__ == "__main__":

@@ -73,11 +73,22 @@ def shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
     from minilm_az.tokenizer import EOS, encode_plain, load_tokenizer, tokenizer_hash
 
     tok = load_tokenizer(small_tokenizer_dir)
-    docs = [ln.strip() for name in ("django.txt", "mediawiki.txt")
-            for ln in (AZ / name).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    docs = [
+        ln.strip()
+        for name in ("django.txt", "mediawiki.txt")
+        for ln in (AZ / name).read_text(encoding="utf-8").splitlines()
+        if ln.strip()
+    ]
     out = str(tmp_path_factory.mktemp("shards") / "shards")
-    write_shards(docs, out, functools.partial(encode_plain, tok), tok.get_vocab_size(), tok.token_to_id(EOS),
-                 tokenizer_hash(small_tokenizer_dir), val_fraction=0.1)
+    write_shards(
+        docs,
+        out,
+        functools.partial(encode_plain, tok),
+        tok.get_vocab_size(),
+        tok.token_to_id(EOS),
+        tokenizer_hash(small_tokenizer_dir),
+        val_fraction=0.1,
+    )
     return out
 
 
@@ -149,8 +160,13 @@ def _probe(run: smc.ContainerRun, tag: str = "PROBE") -> list[dict]:
 
 
 def test_harness_view_has_the_request_the_channels_and_a_separate_model_mount(aws, tmp_path, corpus_dir):
-    run = replay(aws, ["tokenize", "train", "--vocab-size", "400"], tmp_path, inputs={"--corpus": corpus_dir},
-                 program=[sys.executable, "-c", PROBE_VIEW])
+    run = replay(
+        aws,
+        ["tokenize", "train", "--vocab-size", "400"],
+        tmp_path,
+        inputs={"--corpus": corpus_dir},
+        program=[sys.executable, "-c", PROBE_VIEW],
+    )
     assert run.returncode == 0, run.explain()
     (p,) = _probe(run)
     assert p["hps"]["vocab-size"] == "400" and json.loads(p["hps"]["sagemaker_program"]) == sm.ENTRY_WRAPPER
@@ -188,8 +204,10 @@ def probe_project(tmp_path) -> Path:
     """
     root = tmp_path / "checkout"
     shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
-    for f in [*ROOT.glob("*.py"), *(ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md",
-                                                       sm.REQUIREMENTS_FILE))]:
+    for f in [
+        *ROOT.glob("*.py"),
+        *(ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md", sm.REQUIREMENTS_FILE)),
+    ]:
         if f.is_file():
             shutil.copy2(f, root / f.name)
     for script in ("train.py", "finetune.py"):
@@ -197,10 +215,14 @@ def probe_project(tmp_path) -> Path:
     return root
 
 
-def test_harness_runs_train_under_the_toolkits_torchrun_with_its_argv_and_env(aws, tmp_path, probe_project,
-                                                                                shards_dir):
-    run = replay(aws, ["train", "--phase", "2", "--steps", "4", "--no-liger", "--lr", "3e-4"], tmp_path,
-                 inputs={"--data": shards_dir}, root=probe_project)
+def test_harness_runs_train_under_the_toolkits_torchrun_with_its_argv_and_env(aws, tmp_path, probe_project, shards_dir):
+    run = replay(
+        aws,
+        ["train", "--phase", "2", "--steps", "4", "--no-liger", "--lr", "3e-4"],
+        tmp_path,
+        inputs={"--data": shards_dir},
+        root=probe_project,
+    )
     assert run.returncode == 0 and run.program_returncode == 0, run.explain()
     assert run.command[:6] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"], run.command
     probes = _probe(run)
@@ -219,8 +241,13 @@ def test_harness_runs_train_under_the_toolkits_torchrun_with_its_argv_and_env(aw
 
 
 def test_harness_reports_a_failing_program_as_a_failed_job(aws, tmp_path, probe_project, base_model_dir):
-    run = replay(aws, ["finetune", "--steps", "3"], tmp_path, inputs={"--data": CHAT, "--model": base_model_dir},
-                 root=probe_project)
+    run = replay(
+        aws,
+        ["finetune", "--steps", "3"],
+        tmp_path,
+        inputs={"--data": CHAT, "--model": base_model_dir},
+        root=probe_project,
+    )
     assert run.program_returncode == 3 and run.returncode != 0, run.explain()
     assert run.command[1:3] == ["--", "finetune.py"] and "torchrun" not in run.command, run.command
     assert run.failure and "ExecuteUserScriptError" in run.failure
@@ -237,11 +264,16 @@ def _metric_values(log: str, name: str, metrics=sm.TRAIN_METRICS) -> list[float]
 
 @pytest.mark.slow
 def test_tokenize_train_with_passthrough_flags_writes_the_tokenizer_to_the_model_dir(aws, tmp_path, corpus_dir):
-    run = replay(aws, ["tokenize", "train", "--vocab-size", "400", "--no-progress", "--overwrite"], tmp_path,
-                 inputs={"--corpus": corpus_dir})
+    run = replay(
+        aws,
+        ["tokenize", "train", "--vocab-size", "400", "--no-progress", "--overwrite"],
+        tmp_path,
+        inputs={"--corpus": corpus_dir},
+    )
     assert run.returncode == 0, run.explain()
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(run.model_files()), \
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(run.model_files()), (
         run.explain()
+    )
     from minilm_az.tokenizer import load_tokenizer
 
     assert load_tokenizer(str(run.model_dir)).get_vocab_size() == 400
@@ -249,8 +281,12 @@ def test_tokenize_train_with_passthrough_flags_writes_the_tokenizer_to_the_model
 
 @pytest.mark.slow
 def test_tokenize_encode_writes_shards_and_index_to_the_model_dir(aws, tmp_path, corpus_dir, small_tokenizer_dir):
-    run = replay(aws, ["tokenize", "encode", "--val-fraction", "0.1"], tmp_path,
-                 inputs={"--corpus": corpus_dir, "--tokenizer": small_tokenizer_dir})
+    run = replay(
+        aws,
+        ["tokenize", "encode", "--val-fraction", "0.1"],
+        tmp_path,
+        inputs={"--corpus": corpus_dir, "--tokenizer": small_tokenizer_dir},
+    )
     assert run.returncode == 0, run.explain()
     files = run.model_files()
     assert "index.json" in files and any(f.endswith(".bin") for f in files), run.explain()
@@ -260,10 +296,15 @@ def test_tokenize_encode_writes_shards_and_index_to_the_model_dir(aws, tmp_path,
 
 @pytest.mark.slow
 def test_train_phase2_under_torchrun_exports_and_checkpoints(aws, tmp_path, shards_dir, small_tokenizer_dir):
-    run = replay(aws, ["train", "--phase", "2", "--preset", "tiny", "--steps", "4", "--checkpoint-every", "2",
-                       "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4", "--eval-every", "2",
-                       "--log-every", "1", "--no-liger"], tmp_path,
-                 inputs={"--data": shards_dir, "--tokenizer": small_tokenizer_dir})
+    run = replay(
+        aws,
+        (
+            "train --phase 2 --preset tiny --steps 4 --checkpoint-every 2 --seq-len 32 --micro-batch 2 "
+            "--global-batch 4 --eval-every 2 --log-every 1 --no-liger"
+        ).split(),
+        tmp_path,
+        inputs={"--data": shards_dir, "--tokenizer": small_tokenizer_dir},
+    )
     assert run.returncode == 0, run.explain()
     assert run.command[:6] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"], run.command
     files = run.model_files()
@@ -291,10 +332,15 @@ def test_finetune_reads_the_val_data_channel_and_writes_the_adapter(aws, tmp_pat
     shutil.copy2(CHAT_VAL, val / CHAT_VAL.name)
     n_val = _count_lines(CHAT_VAL)
     assert n_val != max(1, int(_count_lines(CHAT) * 0.05))  # the val file's count is not the 5 % split's
-    run = replay(aws, ["finetune", "--lora-r", "4", "--lora-alpha", "8", "--steps", "2", "--micro-batch", "2",
-                       "--global-batch", "4", "--max-seq-len", "256", "--eval-every", "1", "--log-every", "1",
-                       "--no-liger"], tmp_path,
-                 inputs={"--model": base_model_dir, "--data": data, "--val-data": val})
+    run = replay(
+        aws,
+        (
+            "finetune --lora-r 4 --lora-alpha 8 --steps 2 --micro-batch 2 --global-batch 4 --max-seq-len 256 "
+            "--eval-every 1 --log-every 1 --no-liger"
+        ).split(),
+        tmp_path,
+        inputs={"--model": base_model_dir, "--data": data, "--val-data": val},
+    )
     assert run.returncode == 0, run.explain()
     files = run.model_files()
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files), run.explain()
@@ -306,6 +352,7 @@ def test_finetune_reads_the_val_data_channel_and_writes_the_adapter(aws, tmp_pat
     named = [ln for ln in out if CHAT_VAL.name in ln]
     assert named, f"the program never names {CHAT_VAL.name}\n{run.explain()}"
     on_named, as_key = rf"(?<![\w.]){n_val}(?![\w.])", rf"\bval\w*={n_val}(?![\w.])"
-    assert any(re.search(on_named, ln) for ln in named) or any(re.search(as_key, ln) for ln in out), \
+    assert any(re.search(on_named, ln) for ln in named) or any(re.search(as_key, ln) for ln in out), (
         f"no log line gives the val set's size as {n_val} (the lines of {CHAT_VAL.name})\n{run.explain()}"
+    )
     assert _metric_values(run.program_output(), "eval:val_loss", sm.FINETUNE_METRICS)
