@@ -11,6 +11,7 @@ freely: DCP's `.metadata` admits only DCP's own classes, everything else loads w
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -524,28 +525,22 @@ def _one_line(e: BaseException) -> str:
 class Checkpointer:
     """Training checkpoints of one run: write step-N (sync, or in the background), publish it, keep `keep`.
 
-    With `async_save` the model and optimizer state are copied to CPU memory (pinned on CUDA, reused
-    from save to save) inside save(), and DCP writes them from a background thread while training goes
-    on; its collectives run on a gloo group of their own, never on the training job's NCCL. A write is
-    published (renamed, `latest` updated) only by finalize(), which every rank calls at the same step.
+    With `async_save` the model and optimizer state are copied to CPU memory inside save() (on CUDA into
+    pinned buffers made at the first save and reused after), and DCP writes that copy from a background
+    thread while training goes on; its collectives run on a gloo group of their own, never on the training
+    job's NCCL. A write is published (renamed, `latest` updated) only by finalize(), which every rank calls
+    at the same step.
     """
 
     def __init__(self, ckpt_dir: str, rank: int, local_rank: int, keep: int = 2, async_save: bool = True):
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.ckpt_dir, self.rank, self.local_rank, self.keep = ckpt_dir, rank, local_rank, keep
         self.async_save = async_save
         self._pending = None  # (step, future or None)
-        self._group = self._stager = None
+        self._group = self._writer = None
         if async_save:
             self._group = dist.new_group(backend="gloo")  # collective: every rank builds its Checkpointer together
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
-            # torch 2.11's async_save closes the stager it is given after each write (2.13 leaves it to its
-            # owner), which frees the pinned buffers and breaks the next save: only close() here releases it.
-            self._release_stager, self._stager.close = self._stager.close, lambda: None
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -568,12 +563,29 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         _write_rank_files(tmp, step, train_state, self.rank)
         if self.async_save:
-            fut = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+            fut = dcp.async_save(self._staged(state), checkpoint_id=tmp, storage_writer=self._async_writer(tmp),
+                                 process_group=self._group)
             self._pending = (step, getattr(fut, "upload_completion", fut))
         else:
             dcp.save(state, checkpoint_id=tmp)
             self._pending = (step, None)
             self.finalize()
+
+    def _async_writer(self, tmp: str):
+        """One DCP writer for the run: it also stages (copies the state to CPU) and keeps the pinned copy.
+
+        Not DCP's DefaultStager: in torch 2.11 it clears itself after each stage and the next save fails,
+        and SageMaker's torch 2.8 may lack it; FileSystemWriter(cache_staged_state_dict) is in all of them.
+        """
+        from torch.distributed.checkpoint import FileSystemWriter
+        if self._writer is None:
+            self._writer = FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
+        return self._writer  # async_save points it at this save's checkpoint_id
+
+    def _staged(self, state: dict) -> dict:
+        # Without CUDA the writer's staging may hand back the very CPU tensors training goes on updating
+        # (torch versions differ), so the snapshot is taken here.
+        return state if torch.cuda.is_available() else copy.deepcopy(state)
 
     def pending_done(self) -> bool:
         """Local and non-blocking: no save pending, or this rank's part of its write has finished."""
@@ -616,13 +628,11 @@ class Checkpointer:
         return final
 
     def close(self) -> None:
-        """Finalize a pending save (collective) and release the staging memory and the gloo group."""
+        """Finalize a pending save (collective), then release the pinned copy and the gloo group."""
         import torch.distributed as dist
 
         self.finalize()
-        if self._stager is not None:
-            self._release_stager()
-            self._stager = None
+        self._writer = None  # frees the pinned copy
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             self._group = None

@@ -92,9 +92,9 @@ def test_async_save_round_trips_the_state_of_the_moment_it_was_called(group, tmp
     assert path == str(tmp_path / "step-00000001") and latest_checkpoint(str(tmp_path)) == path
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "rng-00000.safetensors", "train_state.json"]
     assert ck.finalize() is None and ck.pending_done()
-    ck._stager.close()  # what torch 2.11's async_save does to the stager it is given: the next save still works
-    ck.save(2, model, opt, STATE)
-    assert ck.finalize().endswith("step-00000002")
+    ck.save(2, model, opt, STATE)  # the same writer (and, on CUDA, its pinned copy) serves the next save
+    second = ck.finalize()
+    assert second.endswith("step-00000002") and is_complete(second) and is_complete(path)
     ck.close()
     fresh, fresh_opt = make(seed=2)
     state = load_train_checkpoint(path, fresh, fresh_opt, 0)  # step 1 is kept (keep=2)
