@@ -1,0 +1,818 @@
+"""Guardrails, proven row by row: no data loss, no silent wrong result, one-line errors.
+
+ONE TABLE (`ROWS`): each row is a bad input given the way a user gives it (`python tokenize.py ...`,
+`python train.py ...`, `torchrun ... train.py ...`, `python finetune.py ...`, `python -m minilm_az.sagemaker ...`),
+the exit code it must end with, a fragment of the one error line (it names the file, line or flag), and
+the files that must come through byte-identical. Every error row asserts:
+
+- the exit code (2 for our errors; torchrun itself exits 1 when a child fails, so its rows also check that
+  every rank exited 2);
+- exactly ONE line on stderr starting `<prog>: error:` (for the launcher: stderr is that one line and stdout is
+  empty), containing the fragment;
+- no "Traceback" anywhere (torchrun's own report of a failed child, a traceback of the launcher, is left out);
+- the protected files unchanged (hashed before, compared after) and the paths that must not appear absent.
+
+Rows that must succeed (`code=0`) assert no error line, no traceback and their own check (`check`).
+
+Fixtures are tiny (a 400-id tokenizer on kde.txt, a 2-step `--preset tiny` model, a 1-step rank-2 adapter)
+and built once per module; the rows' commands then run in parallel in one module fixture (`results`), and
+each parametrized test only checks its own row's outcome, so a failure names its row. Running a subset
+(`-k resume`) runs only those rows' commands.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "data")
+KDE, DJANGO, FIREFOX = (os.path.join(DATA, "az", f) for f in ("kde.txt", "django.txt", "firefox.txt"))
+CHAT = os.path.join(DATA, "chat", "az_chat.jsonl")
+WORKERS = max(2, min(4, os.cpu_count() or 2))
+ROW_TIMEOUT = 300
+
+# What a model-training row adds so it costs seconds: one val batch per evaluation.
+SMALL = "--steps 2 --seq-len 32 --global-batch 2 --eval-batches 1"
+SMALL_FT = "--steps 1 --lora-r 2 --global-batch 2"
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    cmd: str  # as typed by a user, with {placeholders} for the fixtures' paths and the row's own ({W}, {X}, ...)
+    code: int = 2
+    fragment: str = ""  # must be in the one error line (formatted like cmd)
+    protect: tuple[str, ...] = ()  # files/dirs (formatted) that must be byte-identical afterwards
+    absent: tuple[str, ...] = ()  # paths (formatted) that must not exist afterwards
+    prep: Callable | None = None  # prep(fx, w) -> extra placeholders: the row's own inputs, built in its dir
+    check: Callable | None = None  # check(result) for rows that must succeed (or extra checks)
+    fast: bool = False  # a parser error: refused before any work (no log line, seconds)
+    readonly: str | None = None  # a dir (formatted) that is read-only while the command runs
+    launcher: bool = False  # the SageMaker launcher: fake credentials, stdout must stay empty
+
+
+# --- row inputs (each row gets its own directory W; inputs a removed guard could damage are copies)
+
+
+def _copy(src: str, dst: str) -> str:
+    shutil.copytree(src, dst) if os.path.isdir(src) else shutil.copyfile(src, dst)
+    return dst
+
+
+def model_copy(fx, w):
+    return {"X": _copy(fx["M"], os.path.join(w, "model"))}
+
+
+def adapter_copy(fx, w):
+    return {"X": _copy(fx["A"], os.path.join(w, "adapter"))}
+
+
+def tokenizer_copy(fx, w):
+    return {"X": _copy(fx["T"], os.path.join(w, "tok"))}
+
+
+def existing_report(fx, w):
+    path = os.path.join(w, "report.json")
+    with open(path, "w") as f:
+        f.write('{"mine": "a report I want to keep"}\n')
+    return {"X": path}
+
+
+def run_copy(fx, w):
+    """A copy of a run that checkpointed every step (--checkpoint-every 1 --steps 2), to be re-run into."""
+    return {"X": _copy(fx["RUN"], os.path.join(w, "run"))}
+
+
+def other_base(fx, w):
+    """The run above, and a base model that differs from its base by one weight (same shape, same tokenizer)."""
+    out = run_copy(fx, w)
+    mb = _copy(fx["M"], os.path.join(w, "model_b"))
+    with open(os.path.join(mb, "model.safetensors"), "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        last = f.read(4)
+        f.seek(-4, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]) + last[1:])
+    return {**out, "MB": mb}
+
+
+def binary_latest(fx, w):
+    out = run_copy(fx, w)
+    with open(os.path.join(out["X"], "checkpoints", "phase2", "latest"), "wb") as f:
+        f.write(b"\xff\xfe\x00\x01\x89PNG\r\n\x1a\n")
+    return out
+
+
+def corrupt_model(fx, w):
+    out = model_copy(fx, w)
+    weights = os.path.join(out["X"], "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)  # a download or copy that stopped halfway
+    return out
+
+
+def corrupt_adapter(fx, w):
+    out = adapter_copy(fx, w)
+    weights = os.path.join(out["X"], "adapter_model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    return out
+
+
+def string_config(fx, w):
+    out = model_copy(fx, w)
+    path = os.path.join(out["X"], "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    hf["hidden_size"] = str(hf["hidden_size"])  # "hidden_size": "128", as a hand edit or a YAML round trip leaves it
+    with open(path, "w") as f:
+        json.dump(hf, f, indent=2)
+    return out
+
+
+def corrupt_gz(fx, w):
+    with open(KDE, "rb") as f:
+        packed = gzip.compress(f.read())
+    path = os.path.join(w, "corpus.txt.gz")
+    with open(path, "wb") as f:  # a valid gzip header, then garbage where the deflate stream should be
+        f.write(packed[:20] + bytes((i * 151 + 7) % 256 for i in range(4000)))
+    return {"X": path}
+
+
+BAD_LINE = 5
+
+
+def bad_utf8_chat(fx, w):
+    """The chat set with line 5 holding invalid UTF-8 (earlier lines hold multi-byte Azerbaijani text)."""
+    with open(CHAT, "rb") as f:
+        lines = f.read().splitlines(keepends=True)[:40]
+    bad = b'{"messages": [{"role": "user", "content": "Salam \xff\xfe"}, {"role": "assistant", "content": "x"}]}\n'
+    lines.insert(BAD_LINE - 1, bad)
+    path = os.path.join(w, "chat.jsonl")
+    with open(path, "wb") as f:
+        f.writelines(lines)
+    return {"X": path}
+
+
+def chat_dir(fx, w):
+    """A --data directory: part_a / part_b_values / values train, val1 and val2 validate."""
+    with open(CHAT, encoding="utf-8") as f:
+        lines = f.readlines()
+    with open(os.path.join(DATA, "chat", "az_chat_val.jsonl"), encoding="utf-8") as f:
+        val = f.readlines()
+    d = os.path.join(w, "chat")
+    os.makedirs(d)
+    for name, part in (
+        ("part_a", lines[:40]),
+        ("part_b_values", lines[40:60]),
+        ("values", lines[60:70]),
+        ("val1", val[:4]),
+        ("val2", val[4:8]),
+    ):
+        with open(os.path.join(d, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(part)
+    return {"X": d}
+
+
+def empty_dir(fx, w):
+    d = os.path.join(w, "ro")
+    os.makedirs(d)
+    return {"RO": d}
+
+
+# --- checks of rows that must succeed
+
+
+def _records(path: str, kind: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == kind]
+
+
+def _data_files(metrics: str) -> tuple[list[str], list[str]]:
+    """(train files, val files) as the run logged them: a `data_files` record, or the `data` record's *_files."""
+    for kind, train, val in (("data_files", "train", "val"), ("data", "train_files", "val_files")):
+        recs = [r for r in _records(metrics, kind) if train in r]
+        if recs:
+            return recs[-1][train].split(","), (recs[-1].get(val) or "").split(",")
+    raise AssertionError(f"{metrics}: no record names the data files")
+
+
+def check_layout(r):
+    metrics = os.path.join(r.paths["W"], "out", "metrics.jsonl")
+    train, val = _data_files(metrics)
+    d = r.paths["X"]
+    assert val == [f"{d}/val1.jsonl", f"{d}/val2.jsonl"], val
+    assert train == [f"{d}/part_a.jsonl", f"{d}/part_b_values.jsonl", f"{d}/values.jsonl"], train
+    data = _records(metrics, "data")[-1]
+    assert data["val"] == 8 and data["train"] == 70, data
+
+
+def check_skipped(r):
+    data = _records(os.path.join(r.paths["W"], "out", "metrics.jsonl"), "data")[-1]
+    assert data["skipped_bad_lines"] == 1, data
+    assert f"{r.paths['X']}:{BAD_LINE}:" in r.stdout  # the skipped line is named, on its own line number
+    assert os.path.isfile(os.path.join(r.paths["W"], "out", "adapter_model.safetensors"))
+
+
+def check_fresh_run(r):
+    assert "export dir=" in r.stdout and "resume from=" not in r.stdout, r.stdout[-2000:]
+
+
+def check_started_nothing(r):
+    assert "train step=" not in r.stdout, "a read-only --checkpoint-dir must be found before training starts"
+
+
+def check_no_adapter(r):
+    assert "finetune step=1" in r.stdout, "the row must diverge after training started, not fail before"
+
+
+def check_ranks_exit_2(r):
+    """torchrun's report: the first rank to fail exited 2 (our error); the others 2 or SIGTERM (torchrun stops them)."""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", r.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, f"ranks exited {codes}, expected 2 (or -15)"
+
+
+TR = f"python train.py --phase 2 --tokenizer {{T}} --data {{S}} {SMALL}"
+FT = f"python finetune.py --model {{M}} --data {{CHAT}} {SMALL_FT}"
+LAUNCH = (
+    "python -m minilm_az.sagemaker train --phase 2 --data s3://b/shards/ --tokenizer s3://b/tok/ "
+    "--instance-type ml.g5.xlarge"
+)
+
+ROWS = [
+    # ---- data loss
+    Row(
+        "tok_train_overwrite_model_dir",
+        f"python tokenize.py train --vocab-size 300 --corpus {KDE} --no-progress --overwrite --out {{X}}",
+        fragment="{X}",
+        protect=("{X}",),
+        prep=model_copy,
+    ),
+    Row(
+        "tok_train_overwrite_adapter_dir",
+        f"python tokenize.py train --vocab-size 300 --corpus {KDE} --no-progress --overwrite --out {{X}}",
+        fragment="{X}",
+        protect=("{X}",),
+        prep=adapter_copy,
+    ),
+    Row(
+        "tok_report_json_exists",
+        f"python tokenize.py report --tokenizer {{T}} --corpus {FIREFOX} --no-progress --json {{X}}",
+        fragment="--json {X}",
+        protect=("{X}",),
+        prep=existing_report,
+    ),
+    Row(
+        "tok_report_json_is_its_tokenizer",
+        f"python tokenize.py report --tokenizer {{X}} --corpus {FIREFOX} "
+        "--no-progress --json {X}/tokenizer.json --overwrite",
+        fragment="{X}/tokenizer.json",
+        protect=("{X}",),
+        prep=tokenizer_copy,
+    ),
+    # ---- wrong results with exit 0
+    Row(
+        "phase1_without_base_tokenizer",
+        f"python train.py --phase 1 --base-model {{M}} --tokenizer {{T}} --data {{S}} {SMALL} --out {{W}}/out",
+        fragment="--base-tokenizer",
+        protect=("{M}",),
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row(
+        "phase1_without_base_model",
+        f"python train.py --phase 1 --base-tokenizer {{T}} --tokenizer {{T}} --data {{S}} {SMALL} --out {{W}}/out",
+        fragment="--base-model",
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row(
+        "phase1_without_base_tokenizer_torchrun",
+        "torchrun --standalone --nproc_per_node 2 train.py --phase 1 "
+        f"--base-model {{M}} --tokenizer {{T}} --data {{S}} {SMALL} --out {{W}}/out",
+        code=1,
+        fragment="--base-tokenizer",
+        absent=("{W}/out",),
+        check=check_ranks_exit_2,
+    ),
+    Row(
+        "phase2_base_of_another_tokenizer",
+        f"{TR} --base-model {{MO}} --out {{W}}/out",
+        fragment="is not the tokenizer of {MO}",
+        protect=("{MO}",),
+    ),
+    Row(
+        "eval_only_tokenizer_not_the_models",
+        f"python train.py --eval-only --base-model {{M}} --tokenizer {{T2}} --eval-text {FIREFOX} --out {{W}}/out",
+        fragment="--tokenizer {T2}",
+        protect=("{M}",),
+    ),
+    Row(
+        "finetune_tokenizer_not_the_models",
+        f"{FT} --tokenizer {{T2}} --out {{W}}/out",
+        fragment="--tokenizer {T2}",
+        protect=("{M}",),
+        absent=("{W}/out/adapter_model.safetensors",),
+    ),
+    Row(
+        "resume_with_other_data",
+        f"{TR} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --out {{X}}",
+        fragment="data=",
+        protect=("{X}/checkpoints", "{X}/model.safetensors"),
+        prep=run_copy,
+    ),
+    Row(
+        "resume_with_other_data_torchrun",
+        f"torchrun --standalone --nproc_per_node 2 train.py --phase 2 "
+        f"--tokenizer {{T}} {SMALL} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --out {{X}}",
+        code=1,
+        fragment="data=",
+        protect=("{X}/checkpoints", "{X}/model.safetensors"),
+        prep=run_copy,
+        check=check_ranks_exit_2,
+    ),
+    Row(
+        "resume_with_other_base_model",
+        f"{TR} --base-model {{MB}} --checkpoint-every 1 --out {{X}}",
+        fragment="base_model=",
+        protect=("{X}/checkpoints", "{X}/model.safetensors", "{MB}"),
+        prep=other_base,
+    ),
+    Row(
+        "resume_never_with_other_data_runs",
+        f"{TR} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --resume never --out {{X}}",
+        code=0,
+        prep=run_copy,
+        check=check_fresh_run,
+    ),
+    Row(
+        "finetune_diverging_loss",
+        "python finetune.py --model {M} --data {CHAT} --lora-r 2 --global-batch 2 --steps 2 --lr 1e6 --out {W}/out",
+        fragment="step 2",
+        protect=("{M}",),
+        absent=("{W}/out/adapter_model.safetensors", "{W}/out/adapter_config.json"),
+        check=check_no_adapter,
+    ),
+    Row(
+        "finetune_lr_past_float32",
+        f"{FT} --lr 1e39 --warmup 0 --out {{W}}/out",
+        fragment="--lr",
+        absent=("{W}/out/adapter_model.safetensors",),
+    ),
+    Row(
+        "train_global_batch_0",
+        f"{TR} --global-batch 0 --out {{W}}/out",
+        fragment="--global-batch",
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row("train_steps_0", f"{TR} --steps 0 --out {{W}}/out", fragment="--steps", absent=("{W}/out",), fast=True),
+    Row(
+        "train_micro_batch_0",
+        f"{TR} --micro-batch 0 --out {{W}}/out",
+        fragment="--micro-batch",
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row("train_seq_len_0", f"{TR} --seq-len 0 --out {{W}}/out", fragment="--seq-len", absent=("{W}/out",), fast=True),
+    Row(
+        "finetune_prompt_top_p_0",
+        "python finetune.py --model {M} --prompt Salam --top-p 0",
+        fragment="--top-p",
+        fast=True,
+    ),
+    Row(
+        "finetune_lora_r_0",
+        "python finetune.py --model {M} --data {CHAT} --lora-r 0 --out {W}/out",
+        fragment="--lora-r",
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row(
+        "finetune_data_dir_layout",
+        f"python finetune.py --model {{M}} --data {{X}} {SMALL_FT} --out {{W}}/out",
+        code=0,
+        prep=chat_dir,
+        check=check_layout,
+    ),
+    # ---- tracebacks where one line belongs
+    Row(
+        "train_base_model_truncated_safetensors",
+        f"{TR} --base-model {{X}} --out {{W}}/out",
+        fragment="{X}/model.safetensors",
+        protect=("{X}",),
+        prep=corrupt_model,
+    ),
+    Row(
+        "finetune_model_truncated_safetensors",
+        f"python finetune.py --model {{X}} --data {{CHAT}} {SMALL_FT} --out {{W}}/out",
+        fragment="{X}/model.safetensors",
+        protect=("{X}",),
+        prep=corrupt_model,
+    ),
+    Row(
+        "prompt_adapter_truncated_safetensors",
+        "python finetune.py --model {M} --adapter {X} --prompt Salam --max-new-tokens 4",
+        fragment="{X}/adapter_model.safetensors",
+        protect=("{X}",),
+        prep=corrupt_adapter,
+    ),
+    Row(
+        "tok_train_corrupt_gz",
+        "python tokenize.py train --vocab-size 300 --corpus {X} --no-progress --out {W}/tok",
+        fragment="{X}",
+        protect=("{X}",),
+        absent=("{W}/tok/tokenizer.json",),
+        prep=corrupt_gz,
+    ),
+    Row(
+        "tok_train_readonly_out",
+        f"python tokenize.py train --vocab-size 300 --corpus {KDE} --no-progress --out {{RO}}",
+        fragment="{RO}",
+        prep=empty_dir,
+        readonly="{RO}",
+    ),
+    Row(
+        "tok_encode_readonly_out",
+        f"python tokenize.py encode --tokenizer {{T}} --corpus {KDE} --no-progress --out {{RO}}",
+        fragment="{RO}",
+        prep=empty_dir,
+        readonly="{RO}",
+    ),
+    Row("train_readonly_out", f"{TR} --out {{RO}}", fragment="{RO}", prep=empty_dir, readonly="{RO}"),
+    Row(
+        "train_readonly_checkpoint_dir",
+        f"{TR} --out {{W}}/out --checkpoint-dir {{RO}}",
+        fragment="--checkpoint-dir {RO}",
+        prep=empty_dir,
+        readonly="{RO}",
+        check=check_started_nothing,
+    ),
+    Row("finetune_readonly_out", f"{FT} --out {{RO}}", fragment="{RO}", prep=empty_dir, readonly="{RO}"),
+    Row(
+        "train_config_string_field",
+        f"{TR} --base-model {{X}} --out {{W}}/out",
+        fragment="{X}/config.json",
+        protect=("{X}",),
+        prep=string_config,
+    ),
+    Row(
+        "finetune_config_string_field",
+        f"python finetune.py --model {{X}} --data {{CHAT}} {SMALL_FT} --out {{W}}/out",
+        fragment="{X}/config.json",
+        protect=("{X}",),
+        prep=string_config,
+    ),
+    Row(
+        "finetune_out_is_model",
+        f"python finetune.py --model {{X}} --data {{CHAT}} {SMALL_FT} --out {{X}}",
+        fragment="--out {X}",
+        protect=("{X}",),
+        prep=model_copy,
+        fast=True,
+    ),
+    Row(
+        "train_out_is_base_model",
+        f"{TR} --base-model {{X}} --out {{X}}",
+        fragment="--out {X}",
+        protect=("{X}",),
+        prep=model_copy,
+        fast=True,
+    ),
+    Row(
+        "train_binary_latest",
+        f"{TR} --base-model {{M}} --checkpoint-every 1 --resume auto --out {{X}}",
+        fragment="{X}/checkpoints/phase2/latest",
+        protect=("{X}/checkpoints", "{X}/model.safetensors"),
+        prep=binary_latest,
+    ),
+    Row(
+        "finetune_invalid_utf8_line",
+        f"python finetune.py --model {{M}} --data {{X}} {SMALL_FT} --out {{W}}/out",
+        fragment=f"{{X}}:{BAD_LINE}:",
+        protect=("{X}",),
+        prep=bad_utf8_chat,
+        absent=("{W}/out/adapter_model.safetensors",),
+    ),
+    Row(
+        "finetune_invalid_utf8_line_skipped",
+        f"python finetune.py --model {{M}} --data {{X}} {SMALL_FT} --on-bad-line skip --out {{W}}/out",
+        code=0,
+        protect=("{X}",),
+        prep=bad_utf8_chat,
+        check=check_skipped,
+    ),
+    Row("launcher_bad_region_dry_run", f"{LAUNCH} --region nowhere-1 --dry-run", fragment="--region", launcher=True),
+    Row("launcher_bad_region", f"{LAUNCH} --region nowhere-1", fragment="--region", launcher=True),
+    Row(
+        "launcher_role_name_dry_run",
+        f"{LAUNCH} --region us-east-1 --role MyRole --dry-run",
+        fragment="--role",
+        launcher=True,
+    ),
+    Row("launcher_role_name", f"{LAUNCH} --region us-east-1 --role MyRole", fragment="--role", launcher=True),
+]
+
+
+# ---------------------------------------------------------------- running a row
+
+
+@dataclasses.dataclass
+class Result:
+    row: Row
+    paths: dict
+    argv: list
+    rc: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    before: dict = dataclasses.field(default_factory=dict)
+    after: dict = dataclasses.field(default_factory=dict)
+    skip: str | None = None
+
+    def explain(self) -> str:
+        return (
+            f"\n$ {shlex.join(self.argv)}\nrc={self.rc} ({self.seconds:.1f} s)\n--- stdout (tail)\n"
+            f"{self.stdout[-3000:]}\n--- stderr (tail)\n{self.stderr[-3000:]}"
+        )
+
+
+def snapshot(path: str):
+    """sha256 of a file, {relpath: sha256} of a dir (metrics.jsonl, an append-only log, left out), None if absent."""
+
+    def digest(p):
+        with open(p, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    if os.path.isfile(path):
+        return digest(path)
+    if not os.path.isdir(path):
+        return None
+    out = {}
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            if name != "metrics.jsonl":
+                p = os.path.join(root, name)
+                out[os.path.relpath(p, path)] = digest(p)
+    return out
+
+
+def _clean_env(**extra) -> dict:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SM_", "AWS_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", **extra)
+    return env
+
+
+def _argv(cmd: str) -> list[str]:
+    words = shlex.split(cmd)
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    return words
+
+
+def _readonly_unshare_works() -> bool:
+    d = tempfile.mkdtemp(prefix="ro-probe-")
+    try:
+        rc = subprocess.run(
+            ["unshare", "-m", "sh", "-c", RO_SCRIPT + ' ; touch "$0/x" 2>/dev/null && exit 9; exit 0', d],
+            capture_output=True,
+            timeout=30,
+        ).returncode
+        return rc == 0 and not os.path.exists(os.path.join(d, "x"))
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# In a private mount namespace, the dir is bind-mounted onto itself read-only; only the command sees it so.
+RO_SCRIPT = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" || exit 97'
+
+
+def run_row(row: Row, fx: dict, base: str, can_unshare: bool) -> Result:
+    w = os.path.join(base, row.id)
+    os.makedirs(w)
+    paths = {**fx, "W": w}
+    if row.prep:
+        paths.update(row.prep(fx, w))
+    fmt = lambda s: s.format(**paths)  # noqa: E731
+    argv = _argv(fmt(row.cmd))
+    r = Result(row, paths, argv)
+    chmodded = None
+    if row.readonly:
+        ro = fmt(row.readonly)
+        if os.geteuid() != 0:
+            os.chmod(ro, 0o555)
+            chmodded = ro
+        elif can_unshare:
+            argv = r.argv = ["unshare", "-m", "sh", "-c", RO_SCRIPT + ' && exec "$@"', ro, *argv]
+        else:
+            r.skip = (
+                "running as root, where chmod 555 does not stop writes, and `unshare -m` + a read-only bind "
+                "mount is not available here"
+            )
+            return r
+    r.before = {p: snapshot(fmt(p)) for p in row.protect}
+    env = _clean_env()
+    if row.launcher:  # nothing may leave the machine: fake credentials, no metadata service, a dead proxy
+        env.update(
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_SESSION_TOKEN="testing",
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_CONFIG_FILE=os.path.join(w, "no-aws-config"),
+            AWS_SHARED_CREDENTIALS_FILE=os.path.join(w, "no-aws-credentials"),
+            HOME=w,
+            HTTPS_PROXY="http://127.0.0.1:9",
+            HTTP_PROXY="http://127.0.0.1:9",
+            NO_PROXY="",
+        )
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(
+            argv,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=ROW_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        r.rc, r.stdout, r.stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        r.rc, r.stdout, r.stderr = None, str(e.stdout or ""), f"{e.stderr or ''}\n(timed out after {ROW_TIMEOUT} s)"
+    finally:
+        r.seconds = time.monotonic() - t0
+        if chmodded:
+            os.chmod(chmodded, 0o755)
+    r.after = {p: snapshot(fmt(p)) for p in row.protect}
+    return r
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def _run(cmd: str, **fmt) -> None:
+    argv = _argv(cmd.format(**fmt))
+    p = subprocess.run(argv, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=ROW_TIMEOUT)
+    assert p.returncode == 0, f"fixture failed: {shlex.join(argv)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+
+def _parallel(*cmds: tuple[str, dict]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
+        for f in [pool.submit(_run, c, **kw) for c, kw in cmds]:
+            f.result()
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> dict:
+    """T (400 ids, kde), T2 (300 ids, django): two tokenizers; S, S2 shards of T (kde / django), SO of T2;
+    M: the base model (T); MO: a model of T2; A: an adapter on M; RUN: a run from M checkpointed every step."""
+    t0 = time.monotonic()
+    d = str(tmp_path_factory.mktemp("bad_inputs_fx"))
+    p = {k: os.path.join(d, k) for k in ("T", "T2", "S", "S2", "SO", "M", "MO", "A", "RUN")}
+    p["CHAT"] = CHAT
+    tok = "python tokenize.py train --no-progress --vocab-size {n} --corpus {corpus} --out {out}"
+    _parallel((tok, dict(n=400, corpus=KDE, out=p["T"])), (tok, dict(n=300, corpus=DJANGO, out=p["T2"])))
+    enc = "python tokenize.py encode --no-progress --tokenizer {tok} --corpus {corpus} --val-fraction 0.05 --out {out}"
+    _parallel(
+        (enc, dict(tok=p["T"], corpus=KDE, out=p["S"])),
+        (enc, dict(tok=p["T"], corpus=DJANGO, out=p["S2"])),
+        (enc, dict(tok=p["T2"], corpus=DJANGO, out=p["SO"])),
+    )
+    model = f"python train.py --phase 2 --preset tiny --tokenizer {{tok}} --data {{data}} {SMALL} --out {{out}}"
+    _parallel((model, dict(tok=p["T"], data=p["S"], out=p["M"])), (model, dict(tok=p["T2"], data=p["SO"], out=p["MO"])))
+    _parallel(
+        (f"python finetune.py --model {{M}} --data {{CHAT}} {SMALL_FT} --out {{A}}", p),
+        (
+            f"python train.py --phase 2 --base-model {{M}} --tokenizer {{T}} --data {{S}} {SMALL} "
+            "--checkpoint-every 1 --out {RUN}",
+            p,
+        ),
+    )
+    assert sorted(os.listdir(os.path.join(p["RUN"], "checkpoints", "phase2"))) == [
+        "latest",
+        "step-00000001",
+        "step-00000002",
+    ]
+    print(f"fixtures: {time.monotonic() - t0:.1f} s")  # shown with -s
+    return p
+
+
+@pytest.fixture(scope="module")
+def startup() -> float:
+    """Seconds `python train.py --help` takes here: what "returns before any work" is measured against."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=_clean_env(), capture_output=True, timeout=60)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def results(request, fx, tmp_path_factory) -> dict[str, Result]:
+    """Every selected row's command, run in parallel once; each test then checks its own."""
+    wanted = {
+        item.callspec.params["row"].id
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_bad_input" and hasattr(item, "callspec")
+    }
+    rows = [r for r in ROWS if r.id in wanted]
+    base = str(tmp_path_factory.mktemp("bad_inputs_rows"))
+    can_unshare = any(r.readonly for r in rows) and os.geteuid() == 0 and _readonly_unshare_works()
+    # the slowest first (two ranks each), so they do not end up last on their own
+    rows.sort(key=lambda r: not r.cmd.startswith("torchrun"))
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        futures = {r.id: pool.submit(run_row, r, fx, base, can_unshare) for r in rows}
+        out = {k: f.result() for k, f in futures.items()}
+    print("row seconds:", ", ".join(f"{k} {r.seconds:.1f}" for k, r in out.items()))  # shown with -s
+    return out
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def error_prefix(row: Row) -> str:
+    """The regex of the error line's start: `tokenize.py train: error:`, `train.py: error:`, ..."""
+    if row.launcher:
+        return r"python -m minilm_az\.sagemaker: error: "
+    script = next(w for w in shlex.split(row.cmd) if w.endswith(".py"))
+    return re.escape(script) + r"( [a-z]+)?: error: "
+
+
+def own_tracebacks(text: str) -> list[str]:
+    """Tracebacks in `text` other than torchrun's own report that a child failed (its first frame is torchrun's)."""
+    out = []
+    for m in re.finditer(r"Traceback \(most recent call last\):\n(.*)", text):
+        first = m.group(1)
+        if not re.search(r"/torchrun\"|torch/distributed/run\.py\"|<frozen runpy>", first):
+            out.append(text[m.start() : m.start() + 800])
+    return out
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input(row: Row, results, startup):
+    r = results[row.id]
+    if r.skip:
+        pytest.skip(r.skip)
+    fmt = lambda s: s.format(**r.paths)  # noqa: E731
+    assert r.rc == row.code, f"exit code {r.rc}, expected {row.code}" + r.explain()
+    tracebacks = own_tracebacks(r.stderr) + own_tracebacks(r.stdout)
+    if row.cmd.startswith("torchrun"):
+        assert not tracebacks, "a traceback of the script" + r.explain()
+    else:
+        assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, "a traceback" + r.explain()
+    prefix = re.compile(error_prefix(row))
+    errors = [ln for ln in r.stderr.splitlines() if prefix.match(ln)]
+    assert not [ln for ln in r.stdout.splitlines() if prefix.match(ln)], "an error line on stdout" + r.explain()
+    if row.code == 0:
+        assert not errors, "an error line from a run that must succeed" + r.explain()
+    else:
+        assert len(errors) == 1, f"{len(errors)} error lines, expected exactly one" + r.explain()
+        assert fmt(row.fragment) in errors[0], f"{fmt(row.fragment)!r} not in the error line" + r.explain()
+    if row.launcher:
+        assert r.stdout == "", "the launcher printed to stdout on an error" + r.explain()
+        assert r.stderr.strip().splitlines() == errors, "the launcher's stderr must be its one error line" + r.explain()
+    for p in row.protect:
+        assert r.before[p] is not None, f"protected path {fmt(p)} missing before the run"
+        assert r.after[p] == r.before[p], f"{fmt(p)} changed (data loss)" + r.explain()
+    for p in row.absent:
+        assert not os.path.exists(fmt(p)), f"{fmt(p)} exists: the command wrote it" + r.explain()
+    if row.fast:
+        assert not [ln for ln in r.stdout.splitlines() if ln.strip()], "a parser error after work began" + r.explain()
+        limit = 2 * startup + 5
+        assert r.seconds < limit, f"took {r.seconds:.1f} s (limit {limit:.1f} s): not refused before any work"
+    if row.check:
+        try:
+            row.check(r)
+        except AssertionError as e:
+            raise AssertionError(f"{e}{r.explain()}") from None
+
+
+def test_one_table_every_case_once():
+    ids = [r.id for r in ROWS]
+    assert len(ids) == len(set(ids))
+    for r in ROWS:
+        assert r.code == 0 or r.fragment, f"{r.id}: an error row needs a fragment of its error line"
+        assert r.cmd.split()[0] in ("python", "torchrun"), r.id
