@@ -61,6 +61,7 @@ def make_step(model, opt, args, device):
         opt.zero_grad(set_to_none=True)
         loss.item()  # synchronises, as train.py's loss all-reduce does
         return time.perf_counter() - t
+
     return step
 
 
@@ -113,11 +114,20 @@ def measure(mode: str, model, opt, step, args, d, first_step: int, deadline: flo
         last_write = write_s
         n_during = len(after) if mode == "async" else args.steps
         slow_all = sum(after[:n_during]) - n_during * base
-        rows.append({"mode": mode, "repeat": r, "in_save_s": in_save,
-                     "slowdown_s": sum(after[:args.steps]) - args.steps * base,
-                     "slowdown_all_s": slow_all, "steps_during_write": n_during if mode == "async" else 0,
-                     "stall_s": in_save + slow_all, "write_s": write_s, "step_s": base,
-                     "size_gib": dir_bytes(final) / 2**30})
+        rows.append(
+            {
+                "mode": mode,
+                "repeat": r,
+                "in_save_s": in_save,
+                "slowdown_s": sum(after[: args.steps]) - args.steps * base,
+                "slowdown_all_s": slow_all,
+                "steps_during_write": n_during if mode == "async" else 0,
+                "stall_s": in_save + slow_all,
+                "write_s": write_s,
+                "step_s": base,
+                "size_gib": dir_bytes(final) / 2**30,
+            }
+        )
         print(row_line(rows[-1]), flush=True)
         save_json(args, rows)
     ck.close()
@@ -131,14 +141,18 @@ def save_json(args, rows: list) -> None:
             json.dump({"env": args.env, "rows": rows}, f, indent=2)
 
 
-HEADER = f"{'mode':<6} {'rep':>3} {'in save() s':>11} {'slowdown 5':>10} {'slowdown all':>12} {'steps':>5} " \
-         f"{'stall s':>8} {'write s':>8} {'step s':>7} {'size GiB':>8}"
+HEADER = (
+    f"{'mode':<6} {'rep':>3} {'in save() s':>11} {'slowdown 5':>10} {'slowdown all':>12} {'steps':>5} "
+    f"{'stall s':>8} {'write s':>8} {'step s':>7} {'size GiB':>8}"
+)
 
 
 def row_line(r: dict) -> str:
-    return (f"{r['mode']:<6} {r['repeat']:>3} {r['in_save_s']:>11.2f} {r['slowdown_s']:>10.2f} "
-            f"{r['slowdown_all_s']:>12.2f} {r['steps_during_write']:>5} {r['stall_s']:>8.2f} {r['write_s']:>8.2f} "
-            f"{r['step_s']:>7.3f} {r['size_gib']:>8.2f}")
+    return (
+        f"{r['mode']:<6} {r['repeat']:>3} {r['in_save_s']:>11.2f} {r['slowdown_s']:>10.2f} "
+        f"{r['slowdown_all_s']:>12.2f} {r['steps_during_write']:>5} {r['stall_s']:>8.2f} {r['write_s']:>8.2f} "
+        f"{r['step_s']:>7.3f} {r['size_gib']:>8.2f}"
+    )
 
 
 def main() -> None:
@@ -155,8 +169,9 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--budget-s", type=float, default=540, help="skip repeats that would end after this")
     ap.add_argument("--out-dir", default="/tmp/ck", help="checkpoints go here (local disk)")
-    ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "checkpoint_stall.json")
-                    if os.environ.get("OUT") else None)
+    ap.add_argument(
+        "--json", default=os.path.join(os.environ["OUT"], "checkpoint_stall.json") if os.environ.get("OUT") else None
+    )
     args = ap.parse_args()
 
     deadline = time.time() + args.budget_s
@@ -165,11 +180,17 @@ def main() -> None:
     step = make_step(model, opt, args, d.device)
     for _ in range(args.warmup):
         step()
-    args.env = {"torch": torch.__version__, "python": platform.python_version(),
-                "gpu": torch.cuda.get_device_name() if d.device.type == "cuda" else platform.processor(),
-                "params": sum(p.numel() for p in model.parameters()), "cpus": os.cpu_count(),
-                "disk": args.out_dir, "disk_write_gib_per_s": round(disk_gib_per_s(args.out_dir), 2),
-                "seq_len": args.seq_len, "micro_batch": args.micro_batch}
+    args.env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if d.device.type == "cuda" else platform.processor(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "cpus": os.cpu_count(),
+        "disk": args.out_dir,
+        "disk_write_gib_per_s": round(disk_gib_per_s(args.out_dir), 2),
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+    }
     print(json.dumps(args.env), flush=True)
     print(HEADER, flush=True)
     rows: list[dict] = []

@@ -40,6 +40,7 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------- Hugging Face config.json
 
+
 def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
     """ModelConfig from a HF Llama config dict; reads both `rope_scaling` and 5.x `rope_parameters`.
 
@@ -84,37 +85,65 @@ def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
     if llama3 and "factor" not in rope:
         raise CheckpointError(f"{path}: llama3 rope_scaling without 'factor'")
     return ModelConfig(
-        dim=dim, n_layers=need("num_hidden_layers"), n_heads=heads,
-        n_kv_heads=optional("num_key_value_heads", heads), ffn_dim=need("intermediate_size"),
-        vocab_size=need("vocab_size"), rope_theta=number("rope_theta", theta),
+        dim=dim,
+        n_layers=need("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=optional("num_key_value_heads", heads),
+        ffn_dim=need("intermediate_size"),
+        vocab_size=need("vocab_size"),
+        rope_theta=number("rope_theta", theta),
         rope_factor=number("rope_scaling.factor", rope["factor"]) if llama3 else None,
         rope_low_freq_factor=number("rope_scaling.low_freq_factor", rope.get("low_freq_factor", 1.0)),
         rope_high_freq_factor=number("rope_scaling.high_freq_factor", rope.get("high_freq_factor", 4.0)),
-        rope_original_max_seq_len=integer("rope_scaling.original_max_position_embeddings",
-                                          rope.get("original_max_position_embeddings", 8192)),
-        norm_eps=optional("rms_norm_eps", 1e-5, number), tie_embeddings=tie,
+        rope_original_max_seq_len=integer(
+            "rope_scaling.original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)
+        ),
+        norm_eps=optional("rms_norm_eps", 1e-5, number),
+        tie_embeddings=tie,
         max_seq_len=optional("max_position_embeddings", 2048),
         head_dim_override=head_dim if head_dim and head_dim != dim // heads else None,
     )
 
 
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None = None,
-                 eos_id: int | None = None, pad_id: int | None = None) -> dict:
+def config_to_hf(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+) -> dict:
     """A config.json every reader understands: the classic `rope_theta` + `rope_scaling` keys."""
     hf = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "mlp_bias": False, "initializer_range": 0.02,
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
     }
     if cfg.rope_factor is not None:
         hf["rope_scaling"] = {
-            "rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_seq_len,
         }
@@ -134,6 +163,7 @@ def read_config(path: str) -> ModelConfig:
 
 
 # ---------------------------------------------------------------- safetensors in
+
 
 @contextmanager
 def _safetensors(file: str):
@@ -220,8 +250,10 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
             raise CheckpointError(f"{path}/{where}: unknown tensor {name!r} (not a Llama weight of this shape)")
         p = params[name]
         if tuple(tensor.shape) != tuple(p.shape):
-            raise CheckpointError(f"{path}/{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model expects {tuple(p.shape)} (config.json disagrees with weights)")
+            raise CheckpointError(
+                f"{path}/{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(p.shape)} (config.json disagrees with weights)"
+            )
         with torch.no_grad():
             copy_full_into(p, tensor.to(device=p.device, dtype=torch.float32))
         seen.add(name)
@@ -231,12 +263,15 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:
-        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise CheckpointError(
+            f"{path}: missing tensor(s) {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
 
 
-def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    ops: Ops = TORCH_OPS) -> Llama:
+def load_pretrained(
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ops: Ops = TORCH_OPS
+) -> Llama:
     """Our Llama from a Hugging Face model directory (single-process; see parallel.py for sharded)."""
     model = materialize(meta_model(read_config(path), ops), device, init=False)
     load_weights_into(model, path)
@@ -244,6 +279,7 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32, device: str |
 
 
 # ---------------------------------------------------------------- safetensors out
+
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     # A DTensor parameter is gathered whole (every rank must call this); a plain one is returned as is.
@@ -253,13 +289,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _hf_weight_files(path: str) -> list[str]:
     # Every weight layout an HF directory can have: a new export replaces whichever one is there.
     names = os.listdir(path) if os.path.isdir(path) else []
-    return ["model.safetensors", "model.safetensors.index.json",
-            *sorted(n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n))]
+    return [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        *sorted(n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)),
+    ]
 
 
-def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 2 * 1024**3, token_ids: dict | None = None,
-                    is_writer: bool = True) -> None:
+def save_pretrained(
+    model: Llama,
+    path: str,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    token_ids: dict | None = None,
+    is_writer: bool = True,
+) -> None:
     """Export to a HF model directory: config.json + model.safetensors (sharded above `max_shard_bytes`).
 
     Works on a sharded model too: call it on every rank; only `is_writer` writes. Tensors are gathered
@@ -267,8 +311,10 @@ def save_pretrained(model: Llama, path: str, dtype: torch.dtype | None = None,
     inside `path` and moved in (outputs.staged_output), so `path` may be a mount point.
     """
     if any("lora_" in n for n, _ in model.named_parameters()):
-        raise CheckpointError("save_pretrained got a model with LoRA adapters: merge them first (lora.merge_lora) "
-                              "or save the adapter with lora.save_adapter")
+        raise CheckpointError(
+            "save_pretrained got a model with LoRA adapters: merge them first (lora.merge_lora) "
+            "or save the adapter with lora.save_adapter"
+        )
     dtype = dtype or next(model.parameters()).dtype
     staged = staged_output(path, stage=HF_STAGE, replaces=_hf_weight_files(path)) if is_writer else nullcontext()
     with staged as tmp:
@@ -343,13 +389,24 @@ def _step_dir(ckpt_dir: str, step: int) -> str:
 # the only globals a model + optimizer checkpoint's metadata holds (found by tracing find_class on real
 # saves, FSDP2 and plain); every torch dtype is allowed too. Anything else is refused before it is called.
 _METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co. by name
-    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the save's checkpoint_id (3.13 moved the class)
+    ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath"),  # the save's checkpoint_id (3.13 moved the class)
 }
 
 
@@ -359,11 +416,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.name = name
 
     def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                    torch.dtype)):
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise CheckpointError(f"{self.name}: refused to unpickle {module}.{name}: not DCP checkpoint metadata "
-                              f"(a tampered or foreign file)")
+        raise CheckpointError(
+            f"{self.name}: refused to unpickle {module}.{name}: not DCP checkpoint metadata "
+            f"(a tampered or foreign file)"
+        )
 
 
 def _load_metadata(path: str):
@@ -388,8 +448,9 @@ def _data_files_present(path: str, metadata) -> bool:
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         if os.path.basename(info.relative_path) != info.relative_path:
-            raise CheckpointError(f"{path}/.metadata: names a data file outside the checkpoint "
-                                  f"({info.relative_path!r})")
+            raise CheckpointError(
+                f"{path}/.metadata: names a data file outside the checkpoint ({info.relative_path!r})"
+            )
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in need.items():
         file = os.path.join(path, rel)
@@ -443,9 +504,11 @@ def _read_pointer(pointer: str) -> str:
     except UnicodeDecodeError:
         target = None
     if target is None or not _STEP_DIR.fullmatch(target):
-        raise CheckpointError(f"{pointer}: not a checkpoint pointer (expected a name like step-00001000, got "
-                              f"{raw[:40]!r}); delete it to resume from the newest complete checkpoint, or use "
-                              f"--resume never")
+        raise CheckpointError(
+            f"{pointer}: not a checkpoint pointer (expected a name like step-00001000, got "
+            f"{raw[:40]!r}); delete it to resume from the newest complete checkpoint, or use "
+            f"--resume never"
+        )
     return target
 
 
@@ -487,12 +550,13 @@ def _prune(ckpt_dir: str, final: str, keep: int) -> None:
     Step dirs newer than `final` are from a run this one did not continue (a checkpoint that failed to
     load, or --resume never): left in place they would be taken for this run's latest.
     """
+
     def step_of(name: str) -> int:
         return int(_STEP_DIR.fullmatch(name).group(1))
 
     step = step_of(os.path.basename(final))
     older = [n for n in _step_dirs(ckpt_dir) if step_of(n) < step]
-    drop = older[max(keep - 1, 0):] + [n for n in _step_dirs(ckpt_dir) if step_of(n) > step]
+    drop = older[max(keep - 1, 0) :] + [n for n in _step_dirs(ckpt_dir) if step_of(n) > step]
     drop += [n for n in os.listdir(ckpt_dir) if n.startswith("step-") and n.endswith((".tmp", ".old"))]
     for n in drop:
         shutil.rmtree(os.path.join(ckpt_dir, n), ignore_errors=True)
@@ -544,6 +608,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         import torch.distributed as dist
+
         if dist.is_initialized():
             dist.barrier(group=self._group)
 
@@ -563,8 +628,12 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         _write_rank_files(tmp, step, train_state, self.rank)
         if self.async_save:
-            fut = dcp.async_save(self._staged(state), checkpoint_id=tmp, storage_writer=self._async_writer(tmp),
-                                 process_group=self._group)
+            fut = dcp.async_save(
+                self._staged(state),
+                checkpoint_id=tmp,
+                storage_writer=self._async_writer(tmp),
+                process_group=self._group,
+            )
             self._pending = (step, getattr(fut, "upload_completion", fut))
         else:
             dcp.save(state, checkpoint_id=tmp)
@@ -578,6 +647,7 @@ class Checkpointer:
         and SageMaker's torch 2.8 may lack it; FileSystemWriter(cache_staged_state_dict) is in all of them.
         """
         from torch.distributed.checkpoint import FileSystemWriter
+
         if self._writer is None:
             self._writer = FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
         return self._writer  # async_save points it at this save's checkpoint_id
@@ -606,6 +676,7 @@ class Checkpointer:
         error, failed = None, False
         if fut is not None:  # async; a sync save raised in save() already, on every rank (DCP gathers errors)
             from torch.distributed.checkpoint.api import CheckpointException
+
             try:
                 fut.result()
             except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
@@ -616,13 +687,18 @@ class Checkpointer:
             failed = bool(flag.item())
         final = _step_dir(self.ckpt_dir, step)
         if failed:
-            raise CheckpointError(f"{final}.tmp: checkpoint of step {step} was not written "
-                                  f"({error or 'failed on another rank'}); `latest` still names the previous one")
+            raise CheckpointError(
+                f"{final}.tmp: checkpoint of step {step} was not written "
+                f"({error or 'failed on another rank'}); `latest` still names the previous one"
+            )
         tmp = final + ".tmp"
         # One rename per disk: rank 0, and local rank 0 of any host whose disk lacks rank 0's .metadata
         # (per-host disks). On a shared disk the others see .metadata (or the dir already renamed) and wait.
-        if self.local_rank == 0 and os.path.isdir(tmp) and (
-                self.rank == 0 or not os.path.isfile(os.path.join(tmp, ".metadata"))):
+        if (
+            self.local_rank == 0
+            and os.path.isdir(tmp)
+            and (self.rank == 0 or not os.path.isfile(os.path.join(tmp, ".metadata")))
+        ):
             _publish(self.ckpt_dir, tmp, final, self.keep)
         self._barrier()
         return final
@@ -638,8 +714,9 @@ class Checkpointer:
             self._group = None
 
 
-def save_train_checkpoint(ckpt_dir: str, step: int, model, optimizer, train_state: dict,
-                          rank: int, local_rank: int, keep: int = 2) -> str:
+def save_train_checkpoint(
+    ckpt_dir: str, step: int, model, optimizer, train_state: dict, rank: int, local_rank: int, keep: int = 2
+) -> str:
     """Sharded model + optimizer (DCP), this rank's RNG and `train_state.json`, written and published now."""
     Checkpointer(ckpt_dir, rank, local_rank, keep, async_save=False).save(step, model, optimizer, train_state)
     return _step_dir(ckpt_dir, step)
@@ -700,6 +777,7 @@ def load_train_checkpoint(path: str, model, optimizer, rank: int) -> dict:
 
 # ---------------------------------------------------------------- resume: the one call train.py makes
 
+
 def _on_rank0(fn, rank: int):
     """fn() run on rank 0, its result (or its CheckpointError) handed to every rank, so all take one path.
 
@@ -746,8 +824,10 @@ def _check_state(path: str, saved: dict, must_match: dict, may_change: dict) -> 
         new = json.loads(json.dumps(new))  # as train_state.json would hold it (tuples become lists)
         if key in saved and saved[key] != new:  # a key an older checkpoint lacks is no error
             old, new = _shown(saved[key], new)
-            raise CheckpointError(f"{path}: checkpoint was made with {key}={old!r}, this run has {new!r}; "
-                                  f"use --resume never or another --checkpoint-dir")
+            raise CheckpointError(
+                f"{path}: checkpoint was made with {key}={old!r}, this run has {new!r}; "
+                f"use --resume never or another --checkpoint-dir"
+            )
     changed = []
     for key, new in may_change.items():
         new = json.loads(json.dumps(new))
@@ -770,12 +850,13 @@ def _newer_incomplete(ckpt_dir: str, complete: list[str]) -> list[str]:
         return []
     names = _step_dirs(ckpt_dir)
     newest = os.path.basename(complete[0]) if complete else None
-    newer = names[:names.index(newest)] if newest in names else names
+    newer = names[: names.index(newest)] if newest in names else names
     return [os.path.join(ckpt_dir, n) for n in newer if os.path.join(ckpt_dir, n) not in complete]
 
 
-def resume(ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_change: dict,
-           warn) -> tuple[int, dict | None]:
+def resume(
+    ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_change: dict, warn
+) -> tuple[int, dict | None]:
     """Load the newest loadable complete checkpoint of ckpt_dir; (step, train_state), or (0, None) if none.
 
     Collective. A checkpoint saved with another value of a `must_match` key (model shape, phase) raises
@@ -804,12 +885,15 @@ def resume(ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_cha
         if rank == 0:
             warn(f"warning: {path} could not be loaded ({error}); trying the previous checkpoint")
     if candidates:  # the model may be partly overwritten by the failed loads: never train on from there
-        raise CheckpointError(f"{ckpt_dir}: no checkpoint could be loaded (tried {len(candidates)}); "
-                              f"use --resume never or another --checkpoint-dir")
+        raise CheckpointError(
+            f"{ckpt_dir}: no checkpoint could be loaded (tried {len(candidates)}); "
+            f"use --resume never or another --checkpoint-dir"
+        )
     return 0, None
 
 
 # ---------------------------------------------------------------- identities (what a resume must agree on)
+
 
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()

@@ -35,6 +35,7 @@ STAGING_PREFIX = ".staging-"
 
 # ---------------------------------------------------------------- single files
 
+
 def _fsync(path: str) -> None:
     # A file or a directory: a rename survives a power cut only once its directory is synced too.
     fd = os.open(path, os.O_RDONLY)
@@ -78,6 +79,7 @@ def atomic_write_json(path: str, obj, indent: int | None = 2) -> None:
 
 
 # ---------------------------------------------------------------- the marker
+
 
 def _read_marker(out_dir: str, marker: str) -> list[dict]:
     path = os.path.join(out_dir, marker)
@@ -161,6 +163,7 @@ def check_writable(path: str, flag: str) -> None:
 
 # ---------------------------------------------------------------- staged directories
 
+
 def _remove_leftover_staging(out_dir: str) -> None:
     # A process killed inside staged_output leaves its staging dir; nothing else ever writes these names.
     if os.path.isdir(out_dir):
@@ -192,8 +195,9 @@ def _check_no_conflicts(out_dir: str, files: list[str], marker: str) -> None:
         parent = os.path.dirname(rel)
         while parent:
             if os.path.exists(os.path.join(out_dir, parent)) and not os.path.isdir(os.path.join(out_dir, parent)):
-                raise NotADirectoryError(f"{os.path.join(out_dir, parent)} is a file; the new output has a "
-                                         f"directory there")
+                raise NotADirectoryError(
+                    f"{os.path.join(out_dir, parent)} is a file; the new output has a directory there"
+                )
             parent = os.path.dirname(parent)
 
 
@@ -216,8 +220,9 @@ def _now() -> str:
 
 
 @contextmanager
-def staged_output(out_dir: str, marker: str | None = None, stage: str = "",
-                  replaces: Iterable[str] = ()) -> Iterator[str]:
+def staged_output(
+    out_dir: str, marker: str | None = None, stage: str = "", replaces: Iterable[str] = ()
+) -> Iterator[str]:
     """Yield a staging dir inside `out_dir`; on success move its files into `out_dir` and record them.
 
     On an exception inside the block the staging dir is removed and `out_dir` is left as it was.

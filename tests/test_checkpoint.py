@@ -12,8 +12,18 @@ from minilm_az.model import ModelConfig, build_model
 
 transformers = pytest.importorskip("transformers")
 
-TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320,
-                   rope_theta=500000.0, rope_factor=8.0, rope_original_max_seq_len=32, max_seq_len=256)
+TINY = ModelConfig(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=128,
+    vocab_size=320,
+    rope_theta=500000.0,
+    rope_factor=8.0,
+    rope_original_max_seq_len=32,
+    max_seq_len=256,
+)
 UNTIED = ModelConfig(**{**TINY.to_dict(), "tie_embeddings": False, "rope_factor": None})
 
 
@@ -23,10 +33,23 @@ def _ids(V, T=33):
 
 def hf_random_dir(tmp_path, tied=True):
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32}, tie_word_embeddings=tied)
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # HF inits norms to one: perturb them so a skipped tensor would show
@@ -56,6 +79,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, cfg):
     assert hf_cfg["architectures"] == ["LlamaForCausalLM"] and "rope_parameters" not in hf_cfg
     if cfg.tie_embeddings:
         from safetensors import safe_open
+
         with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
             assert "lm_head.weight" not in f.keys()
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
@@ -91,8 +115,14 @@ def test_bf16_export(tmp_path):
 def test_transformers5_rope_parameters_dialect(tmp_path):
     _, path = hf_random_dir(tmp_path)
     c = json.loads(open(os.path.join(path, "config.json")).read())
-    c["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    c["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     c["rope_scaling"] = None
     c["rope_theta"] = None
     open(os.path.join(path, "config.json"), "w").write(json.dumps(c))

@@ -61,12 +61,16 @@ def train_step(model, opt, seed: int = 0) -> None:
 def tensors(model, opt) -> dict[str, torch.Tensor]:
     """Every model and optimizer tensor, gathered whole and copied."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, opt)
     out = {f"model.{k}": v for k, v in msd.items()}
     for name, st in osd["state"].items():
         out.update({f"optim.{name}.{k}": v for k, v in st.items()})
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in out.items() if isinstance(v, torch.Tensor)}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in out.items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -159,11 +163,20 @@ def test_resume_refuses_another_model_and_warns_about_a_changed_seed(group, tmp_
     other = {**CFG.to_dict(), "n_layers": 3}
     with pytest.raises(CheckpointError) as e:
         resume(str(tmp_path), model, opt, 0, {"model": other}, {}, print)
-    assert str(e.value) == (f"{tmp_path}/step-00000004: checkpoint was made with model={{'n_layers': 2}}, this run "
-                            f"has {{'n_layers': 3}}; use --resume never or another --checkpoint-dir")
+    assert str(e.value) == (
+        f"{tmp_path}/step-00000004: checkpoint was made with model={{'n_layers': 2}}, this run "
+        f"has {{'n_layers': 3}}; use --resume never or another --checkpoint-dir"
+    )
     warnings = []
-    step, _ = resume(str(tmp_path), model, opt, 0, {"model": CFG.to_dict(), "tokenizer_hash": "abc"},
-                     {"seed": 7, "global_batch": 8}, warnings.append)  # keys an old checkpoint lacks: fine
+    step, _ = resume(
+        str(tmp_path),
+        model,
+        opt,
+        0,
+        {"model": CFG.to_dict(), "tokenizer_hash": "abc"},
+        {"seed": 7, "global_batch": 8},
+        warnings.append,
+    )  # keys an old checkpoint lacks: fine
     assert step == 4 and warnings == [f"warning: resuming from {tmp_path}/step-00000004 with changed seed=0->7"]
     assert resume(str(tmp_path / "none"), model, opt, 0, {}, {}, print) == (0, None)
 
@@ -200,6 +213,7 @@ def test_a_planted_metadata_pickle_is_refused_and_never_runs(group, tmp_path):
 def test_a_planted_optimizer_value_loads_weights_only_and_never_runs(group, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model, opt = make()
     good = save_train_checkpoint(str(tmp_path), 1, model, opt, STATE, 0, 0, keep=3)
     bad = save_train_checkpoint(str(tmp_path), 2, model, opt, STATE, 0, 0, keep=3)
@@ -220,6 +234,7 @@ def test_a_planted_optimizer_value_loads_weights_only_and_never_runs(group, tmp_
 
 def test_a_failed_async_write_raises_on_finalize_and_keeps_latest(group, tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
+
     model, opt = make()
     ck = Checkpointer(str(tmp_path), 0, 0, async_save=True)
     ck.save(1, model, opt, STATE)
@@ -227,6 +242,7 @@ def test_a_failed_async_write_raises_on_finalize_and_keeps_latest(group, tmp_pat
 
     def full(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(FileSystemWriter, "write_data", full)
     ck.save(2, model, opt, STATE)
     with pytest.raises(CheckpointError, match=r"step-00000002.tmp: checkpoint of step 2 was not written .*No space"):
@@ -265,8 +281,13 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_latest(gro
     script = tmp_path / "killed.py"
     script.write_text(KILLED.format(tests=os.path.dirname(os.path.abspath(__file__))))
     ckpt = tmp_path / "ckpt"
-    p = subprocess.Popen([sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": REPO})
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     try:
         line = p.stdout.readline()
         assert line == "writing\n", p.stderr.read()
@@ -307,9 +328,16 @@ def test_two_ranks_on_two_hosts_async_save_then_resume_on_one(group, tmp_path, d
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS.format(tests=os.path.dirname(os.path.abspath(__file__))))
     dirs = [tmp_path / "host0", tmp_path / ("host0" if disks == "shared" else "host1")]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"), str(dirs[r]),
-                               str(tmp_path / "want.pt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": REPO}) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "store"), str(dirs[r]), str(tmp_path / "want.pt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     step1 = tmp_path / "host0" / "step-00000001"
@@ -318,8 +346,14 @@ def test_two_ranks_on_two_hosts_async_save_then_resume_on_one(group, tmp_path, d
         assert sorted(os.listdir(dirs[1])) == ["latest", "step-00000001"]
         for f in os.listdir(dirs[1] / "step-00000001"):
             os.replace(dirs[1] / "step-00000001" / f, step1 / f)
-    assert sorted(os.listdir(step1)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-00000.safetensors",
-                                         "rng-00001.safetensors", "train_state.json"]
+    assert sorted(os.listdir(step1)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng-00000.safetensors",
+        "rng-00001.safetensors",
+        "train_state.json",
+    ]
     model, opt = make(seed=3)
     assert resume(str(tmp_path / "host0"), model, opt, 0, {"model": CFG.to_dict()}, {}, print)[0] == 1
     assert_same(tensors(model, opt), torch.load(tmp_path / "want.pt"))

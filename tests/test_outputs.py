@@ -23,8 +23,9 @@ from minilm_az.outputs import (
     written_by,
 )
 
-CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=64,
-                  tie_embeddings=False)
+CFG = ModelConfig(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=64, tie_embeddings=False
+)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -48,6 +49,7 @@ def mount(tmp_path, monkeypatch):
                 if inside(src) != inside(dst):
                     raise OSError(errno.EXDEV, "Invalid cross-device link (simulated mount point)", os.fspath(src))
             return real(src, dst, *args, **kwargs)
+
         return rename
 
     real_rmdir, real_rmtree = os.rmdir, shutil.rmtree
@@ -127,8 +129,10 @@ def test_save_pretrained_and_save_adapter_into_a_mount_point(mount, tmp_path):
     ids = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(fresh.eval()(ids), adapted.eval()(ids))
-    assert {written_by(mount, HF_STAGE)["stage"], written_by(mount, ADAPTER_STAGE)["stage"]} == {HF_STAGE,
-                                                                                               ADAPTER_STAGE}
+    assert {written_by(mount, HF_STAGE)["stage"], written_by(mount, ADAPTER_STAGE)["stage"]} == {
+        HF_STAGE,
+        ADAPTER_STAGE,
+    }
     assert not [f for f in os.listdir(mount) if f.startswith(".staging-")]
 
 
@@ -149,6 +153,7 @@ def _enospc_after_writing():
         with open(filename, "wb") as f:
             f.write(b"half a file")
         raise OSError(errno.ENOSPC, "No space left on device", filename)
+
     return save_file
 
 
@@ -180,8 +185,12 @@ def test_sharded_export_replacing_a_single_file_leaves_no_stale_weights(mount):
 def test_an_unmarked_previous_export_loses_only_its_weight_layout(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
-    for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-              "model.safetensors.index.json", "README.md"):
+    for f in (
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "README.md",
+    ):
         (out / f).write_text("from another tool")
     save_pretrained(build_model(CFG, seed=1), str(out))
     assert sorted(os.listdir(out)) == ["README.md", "config.json", MARKER, "model.safetensors"]
@@ -232,6 +241,7 @@ def test_remove_output_deletes_only_what_the_marker_lists(tmp_path):
 
 def test_a_process_dying_while_moving_leaves_an_incomplete_record(tmp_path, monkeypatch):
     from minilm_az import outputs
+
     out = str(tmp_path / "o")
     with staged_output(out, stage="s") as tmp:
         open(os.path.join(tmp, "old"), "w").write("old")
@@ -258,6 +268,7 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
 
     def fail(src, dst):
         raise OSError(errno.EIO, "I/O error")
+
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
         atomic_write_text(path, "step-2")
@@ -268,10 +279,12 @@ def _can_mount() -> bool:
     if not shutil.which("unshare"):
         return False
     import tempfile
+
     d = tempfile.mkdtemp()
     try:
-        r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs none {d}"],
-                           capture_output=True)
+        r = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs none {d}"], capture_output=True
+        )
     finally:
         os.rmdir(d)
     return r.returncode == 0
@@ -314,8 +327,13 @@ def test_export_into_a_real_tmpfs_mount_point(tmp_path):
     script = tmp_path / "mounted.py"
     script.write_text(MOUNTED)
     cmd = f"mount -t tmpfs none {out} && {sys.executable} {script} {out} {tmp_path}"
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", cmd],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "model.safetensors" in r.stdout and "adapter_model.safetensors" in r.stdout
     assert MARKER in r.stdout and "model.safetensors.index.json" not in r.stdout
