@@ -232,8 +232,10 @@ def section_summary(r: Run) -> list[str]:
     if b0 and b2:
         out.append(f"validation bits per byte went **{b0:.3f} (base) → {_f(b1)} (phase 1) → {b2:.3f} (phase 2)**")
     if b2 and bc:
-        verdict = f"the transfer buys {bc - b2:.3f}" if b2 < bc else f"the transfer does not pay: {b2 - bc:.3f} worse"
-        out.append(f"the control (random init, the same steps and data) reaches {bc:.3f}: {verdict}")
+        verdict = (
+            f"the transfer buys {bc - b2:.3f}" if b2 < bc else f"the transfer does not pay here ({b2 - bc:.3f} worse)"
+        )
+        out.append(f"the control (random init, the same steps and data) reaches {bc:.3f}, so {verdict}")
     return ["In short: " + "; ".join(out) + ".", ""] if out else []
 
 
@@ -558,7 +560,9 @@ def section_finetune(r: Run) -> list[str]:
     if not ft:
         return []
     m, d, ev, train = ft.last("model"), ft.last("data"), ft.evals, ft.all("finetune")
-    r_, alpha = m.get("lora_r", m.get("r", "–")), m.get("lora_alpha", m.get("alpha", "–"))  # older records: r, alpha
+    flags = ft.last("config")  # the LoRA shape is in the run's flags; older scripts put it in the model record
+    r_ = flags.get("lora_r", m.get("lora_r", m.get("r", "–")))
+    alpha = flags.get("lora_alpha", m.get("lora_alpha", m.get("alpha", "–")))
     val = (
         f"Val loss {ev[0]['val_loss']:.3f} (step {ev[0]['step']}) → {ev[-1]['val_loss']:.3f} nats per assistant "
         f"token over {train[-1]['step'] if train else 0} steps."

@@ -436,6 +436,8 @@ def run_demo(
     try:
         for stage in plan:
             R(*stage)
+            # Later stages read the exported model; the resume checkpoint beside it is only disk (260 MB for base).
+            shutil.rmtree(os.path.join(run, stage[0], "checkpoints"), ignore_errors=True)
         sample(R, cfg, run)
     finally:
         meta["stages"] = R.stages

@@ -169,6 +169,16 @@ def test_finetune_leaves_an_adapter_and_replies(run):
     samples = read_jsonl(os.path.join(run, "samples.jsonl"))
     assert [s["prompt"] for s in samples] == list(demo.QUICK.prompts)
     assert all(s["reply"] and not s["reply"].startswith("#") for s in samples)  # stdout only, no stderr banner
+    assert f"LoRA r={demo.QUICK.ft_r}, alpha={float(demo.QUICK.ft_alpha)} on q_proj" in read(
+        os.path.join(run, "report.md")
+    )
+
+
+@pytest.mark.slow
+def test_each_stage_keeps_its_export_but_not_its_resume_checkpoint(run):
+    for stage in ("base", "phase1", "phase2", "control"):
+        assert os.path.isfile(os.path.join(run, stage, "model.safetensors")), stage
+        assert not os.path.exists(os.path.join(run, stage, "checkpoints")), stage
 
 
 # ---------------------------------------------------------------- no run needed
