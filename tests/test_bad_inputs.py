@@ -44,7 +44,7 @@ DATA = os.path.join(ROOT, "data")
 KDE, DJANGO, FIREFOX = (os.path.join(DATA, "az", f) for f in ("kde.txt", "django.txt", "firefox.txt"))
 CHAT = os.path.join(DATA, "chat", "az_chat.jsonl")
 WORKERS = max(2, min(4, os.cpu_count() or 2))
-ROW_TIMEOUT = 300
+ROW_TIMEOUT = int(os.environ.get("BAD_INPUTS_ROW_TIMEOUT", 300))  # seconds per command
 
 # What a model-training row adds so it costs seconds: one val batch per evaluation.
 SMALL = "--steps 2 --seq-len 32 --global-batch 2 --eval-batches 1"
