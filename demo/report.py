@@ -320,10 +320,8 @@ def _transfer_counts(s: Stage) -> str:
     for rec in s.all("vocab_transfer"):
         counts = ", ".join(f"{rec[k]:,} {w}" for k, w in words.items() if isinstance(rec.get(k), int))
         if counts:
-            parts.append(
-                f"`{rec.get('tensor', 'embedding')}`, {_n(rec.get('new_vocab'))} rows from the base's "
-                f"{_n(rec.get('base_vocab'))}: {counts}"
-            )
+            base = f" from the base's {rec['base_vocab']:,}" if isinstance(rec.get("base_vocab"), int) else ""
+            parts.append(f"`{rec.get('tensor', 'embedding')}`, {_n(rec.get('new_vocab'))} rows{base}: {counts}")
     return "The transfer, as phase 1 logged it: " + "; ".join(parts) + "." if parts else ""
 
 

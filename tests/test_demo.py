@@ -175,6 +175,14 @@ def test_finetune_leaves_an_adapter_and_replies(run):
 
 
 @pytest.mark.slow
+def test_the_report_gives_the_vocab_transfer_counts_phase1_logged(run):
+    rec = next(r for r in read_jsonl(os.path.join(run, "phase1", "metrics.jsonl")) if r["kind"] == "vocab_transfer")
+    line = next(ln for ln in read(os.path.join(run, "report.md")).splitlines() if ln.startswith("The transfer, as"))
+    assert rec["copied"] + rec["averaged"] + rec["special_mean"] == demo.QUICK.vocab_size
+    assert f"{rec['copied']:,} copied" in line and f"{rec['averaged']:,} the mean" in line, line
+
+
+@pytest.mark.slow
 def test_each_stage_keeps_its_export_but_not_its_resume_checkpoint(run):
     for stage in ("base", "phase1", "phase2", "control"):
         assert os.path.isfile(os.path.join(run, stage, "model.safetensors")), stage
