@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=d.is_main)
         try:
             train(cfg, d, log)
+            parallel.finish()
         finally:
             log.close()
             parallel.teardown()

@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     log.log("config", **dataclasses.asdict(cfg))
     try:
         eval_only(cfg, d, log) if cfg.eval_only else train(cfg, d, log)
+        parallel.finish()
     finally:
         log.close()
         parallel.teardown()

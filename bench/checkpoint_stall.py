@@ -196,6 +196,7 @@ def main() -> None:
     rows: list[dict] = []
     for i, mode in enumerate(args.modes.split(",")):
         measure(mode, model, opt, step, args, d, 100 * (i + 1), deadline, rows)
+    parallel.finish()
     parallel.teardown()
 
 

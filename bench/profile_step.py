@@ -59,6 +59,7 @@ def main():
         step(x[:, :-1], x[:, 1:])
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(args.steps):
@@ -75,8 +76,10 @@ def main():
             top[e.key] += us / 1000 / args.steps
     gpu = sum(per_kind.values())
     flops = cfg.flops_per_token(args.seq) * args.micro_batch * args.seq
-    print(f"micro-batch {args.micro_batch}, seq {args.seq}, compile={args.compile}: step wall {wall * 1e3:.1f} ms, "
-          f"GPU busy {gpu:.1f} ms, {flops / wall / 1e12:.0f} TFLOP/s model FLOPs")
+    print(
+        f"micro-batch {args.micro_batch}, seq {args.seq}, compile={args.compile}: step wall {wall * 1e3:.1f} ms, "
+        f"GPU busy {gpu:.1f} ms, {flops / wall / 1e12:.0f} TFLOP/s model FLOPs"
+    )
     print(f"{'kind':34s} {'ms/step':>8s} {'share':>6s}")
     for k, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         print(f"{k:34s} {ms:8.1f} {100 * ms / wall / 1e3:5.1f}%")
@@ -84,6 +87,7 @@ def main():
     print("\ntop kernels:")
     for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {ms:7.1f} ms  {kind_of(name):22s} {name[:90]}")
+    parallel.finish()
     parallel.teardown()
 
 

@@ -59,8 +59,9 @@ def build_ours(cfg, device, liger: bool, compile: bool, ac: str, liger_blocks: b
 
 def train_step(model, loss_fn, device):
     """One optimizer step as both sides take it: loss, backward, clip to 1.0, fused AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
 
     def step(x, y):
         loss = loss_fn(x, y)
@@ -69,16 +70,22 @@ def train_step(model, loss_fn, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
     return step
 
 
 def build_peer(cfg, device, ac: bool, liger: bool = True):
     import transformers
+
     if liger and device.type == "cuda":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
+
         apply_liger_kernel_to_llama()
-    hf_cfg = {k: v for k, v in config_to_hf(cfg, torch.float32).items()
-              if k not in ("architectures", "model_type", "torch_dtype")}
+    hf_cfg = {
+        k: v
+        for k, v in config_to_hf(cfg, torch.float32).items()
+        if k not in ("architectures", "model_type", "torch_dtype")
+    }
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg, attn_implementation="sdpa")).to(device)
     if ac:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -88,6 +95,7 @@ def build_peer(cfg, device, ac: bool, liger: bool = True):
     def loss_fn(x, y):
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
             return hf(input_ids=x, labels=y, use_cache=False).loss  # labels are shifted inside
+
     return hf, train_step(hf, loss_fn, device)
 
 
@@ -116,8 +124,12 @@ def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t) / steps
-        row.update(tokens_per_s=mb * seq / dt, step_s=dt, loss=float(loss),
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"))
+        row.update(
+            tokens_per_s=mb * seq / dt,
+            step_s=dt,
+            loss=float(loss),
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+        )
     except torch.cuda.OutOfMemoryError:
         row.update(tokens_per_s=None, oom=True)
     finally:
@@ -161,10 +173,16 @@ def main():
         ("ours_liger_compile", lambda: build_ours(cfg, device, True, cuda, "none"), mbs + big),
         ("ours_ligerblocks_compile", lambda: build_ours(cfg, device, True, cuda, "none", liger_blocks=True), one),
         ("ours_torch_compile", lambda: build_ours(cfg, device, False, cuda, "none"), one),
-        ("ours_liger_compile_ac_selective", lambda: build_ours(cfg, device, True, cuda, "selective"),
-         [14, 20] if not args.quick else [2]),
-        ("ours_liger_compile_ac_full", lambda: build_ours(cfg, device, True, cuda, "full"),
-         [14, 32] if not args.quick else [2]),
+        (
+            "ours_liger_compile_ac_selective",
+            lambda: build_ours(cfg, device, True, cuda, "selective"),
+            [14, 20] if not args.quick else [2],
+        ),
+        (
+            "ours_liger_compile_ac_full",
+            lambda: build_ours(cfg, device, True, cuda, "full"),
+            [14, 32] if not args.quick else [2],
+        ),
     ]
     if args.only:
         keep = set(args.only.split(","))
@@ -185,23 +203,38 @@ def main():
             print(json.dumps(row), flush=True)
             if row.get("oom"):
                 break
-    peer_best = max((r["tokens_per_s"] for r in rows if r["variant"].startswith("peer") and r.get("tokens_per_s")),
-                    default=None)
-    print(f"\n{'variant':34s} {'mb':>3s} {'tokens/s':>9s} {'vs peer':>7s} {'MFU%989':>7s} {'MFU%meas':>8s} "
-          f"{'peak GiB':>8s}")
+    peer_best = max(
+        (r["tokens_per_s"] for r in rows if r["variant"].startswith("peer") and r.get("tokens_per_s")), default=None
+    )
+    print(
+        f"\n{'variant':34s} {'mb':>3s} {'tokens/s':>9s} {'vs peer':>7s} {'MFU%989':>7s} {'MFU%meas':>8s} "
+        f"{'peak GiB':>8s}"
+    )
     for r in rows:
         if not r.get("tokens_per_s"):
             print(f"{r['variant']:34s} {r['micro_batch']:3d} {'OOM':>9s}")
             continue
         ratio = r["tokens_per_s"] / peer_best if peer_best else float("nan")
-        print(f"{r['variant']:34s} {r['micro_batch']:3d} {r['tokens_per_s']:9.0f} {ratio:7.2f} "
-              f"{r['mfu_989']:7.1f} {r['mfu_measured']:8.1f} {r['peak_gib']:8.1f}")
+        print(
+            f"{r['variant']:34s} {r['micro_batch']:3d} {r['tokens_per_s']:9.0f} {ratio:7.2f} "
+            f"{r['mfu_989']:7.1f} {r['mfu_measured']:8.1f} {r['peak_gib']:8.1f}"
+        )
     import transformers
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "matmul_peak_tflops": peak_meas / 1e12,
-            "flops_per_token": flops_tok, "seq": seq, "vocab": cfg.vocab_size, "argv": sys.argv}
+
+    meta = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "matmul_peak_tflops": peak_meas / 1e12,
+        "flops_per_token": flops_tok,
+        "seq": seq,
+        "vocab": cfg.vocab_size,
+        "argv": sys.argv,
+    }
     try:
         import liger_kernel
+
         meta["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
     except ImportError:
         pass
@@ -209,6 +242,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    parallel.finish()
     parallel.teardown()
 
 

@@ -31,8 +31,8 @@ def windows(tokens: np.ndarray, seq_len: int) -> Iterator[tuple[np.ndarray, np.n
     every token after the first is a target exactly once. The last window is padded (targets IGNORE)."""
     n_targets = len(tokens) - 1
     for s in range(0, n_targets, seq_len):
-        x = tokens[s:s + seq_len]
-        y = tokens[s + 1:s + seq_len + 1]
+        x = tokens[s : s + seq_len]
+        y = tokens[s + 1 : s + seq_len + 1]
         if len(x) < seq_len:
             x = np.concatenate([x, np.zeros(seq_len - len(x), dtype=x.dtype)])
         if len(y) < seq_len:
@@ -50,9 +50,18 @@ def doc_stream(docs: Iterable[list[int]], eos_id: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def total_nll(model, tokens: np.ndarray, seq_len: int, micro_batch: int, device, rank: int = 0,
-              world_size: int = 1, max_windows: int | None = None, token_bytes: np.ndarray | None = None,
-              progress=None) -> tuple[float, int, int]:
+def total_nll(
+    model,
+    tokens: np.ndarray,
+    seq_len: int,
+    micro_batch: int,
+    device,
+    rank: int = 0,
+    world_size: int = 1,
+    max_windows: int | None = None,
+    token_bytes: np.ndarray | None = None,
+    progress=None,
+) -> tuple[float, int, int]:
     """Summed NLL (nats), predicted tokens and their UTF-8 bytes over this rank's share of the windows.
 
     `max_windows` caps the windows scored, counted over all ranks, so a capped evaluation scores the same

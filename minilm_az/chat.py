@@ -74,7 +74,7 @@ def _render(messages: Sequence[dict], tokenizer: Tokenizer, add_generation_promp
     sp = _specials(tokenizer)
     # "\n\n" + content is encoded as one string, as the template's rendered text is.
     enc = encode_plain(tokenizer, [m["role"] for m in messages] + ["\n\n" + m["content"] for m in messages] + ["\n\n"])
-    roles, bodies, sep = enc[: len(messages)], enc[len(messages): 2 * len(messages)], enc[-1]
+    roles, bodies, sep = enc[: len(messages)], enc[len(messages) : 2 * len(messages)], enc[-1]
     ids, spans = [sp[BOS]], []
     for role_ids, body in zip(roles, bodies):
         start = len(ids)
@@ -92,8 +92,9 @@ def _render(messages: Sequence[dict], tokenizer: Tokenizer, add_generation_promp
     return ids, spans
 
 
-def encode_chat(messages, tokenizer: Tokenizer, max_len: int = 1024,
-                last_turn_only: bool = False) -> tuple[list[int], list[int]]:
+def encode_chat(
+    messages, tokenizer: Tokenizer, max_len: int = 1024, last_turn_only: bool = False
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a conversation; labels keep assistant content + its <|eot_id|>, else -100.
 
     Longer than `max_len`: cut to `max_len` tokens, backing off to the start of a header if the cut
@@ -128,6 +129,7 @@ def encode_prompt(messages, tokenizer: Tokenizer) -> list[int]:
 
 
 # ---------------------------------------------------------------- JSONL files
+
 
 def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dict]], list[str]]:
     """Conversations of a chat JSONL file, and the problems of the lines skipped (`on_bad_line="skip"`).
@@ -183,6 +185,7 @@ def is_val_file(name: str) -> bool:
 def chat_files(data: str, val_data: str | None) -> tuple[list[str], list[str]]:
     """Train and val JSONL files. A --data directory: `val*.jsonl` / `*_val.jsonl` validate, `train*.jsonl`
     (or, without any, every other `*.jsonl`) train. A --val-data directory: all its `*.jsonl` validate."""
+
     def listing(d: str) -> list[str]:
         return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".jsonl"))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -40,18 +41,22 @@ class TrainConfig:
     phase: int = _f(2, "1: train embeddings only (new vocabulary adapts); 2: train everything", choices=(1, 2))
     preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
     base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
-    base_tokenizer: str | None = _f(None, "the base model's tokenizer dir (phase 1: vocabulary transfer)",
-                                    channel="base_tokenizer")
+    base_tokenizer: str | None = _f(
+        None, "the base model's tokenizer dir (phase 1: vocabulary transfer)", channel="base_tokenizer"
+    )
     tokenizer: str | None = _f(None, "our tokenizer dir (tokenize.py train)", channel="tokenizer")
     data: str | None = _f(None, "token shards dir (tokenize.py encode)", channel="data")
-    out: str | None = _f(None, "final HF-format model and metrics.jsonl (default runs/phaseN)",
-                         container=CONTAINER_MODEL)
-    checkpoint_dir: str | None = _f(None, "training checkpoints (default OUT/checkpoints)",
-                                    container=CONTAINER_CHECKPOINTS)
-    resume: str = _f("auto", "auto: continue from the newest complete checkpoint; never: start fresh",
-                     choices=("auto", "never"))
+    out: str | None = _f(
+        None, "final HF-format model and metrics.jsonl (default runs/phaseN)", container=CONTAINER_MODEL
+    )
+    checkpoint_dir: str | None = _f(
+        None, "training checkpoints (default OUT/checkpoints)", container=CONTAINER_CHECKPOINTS
+    )
+    resume: str = _f(
+        "auto", "auto: continue from the newest complete checkpoint; never: start fresh", choices=("auto", "never")
+    )
     steps: int | None = _f(None, "optimizer steps (default: phase 1 5000, phase 2 15000)", lo=1)
-    lr: float | None = _f(None, "peak learning rate (default: phase 1 0.0032, phase 2 0.0024)", lo=0.0)
+    lr: float | None = _f(None, "peak learning rate (default: phase 1 0.0032, phase 2 0.0024)", lo=0.0, hi=1.0)
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
     warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0)
     weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)", lo=0.0)
@@ -59,29 +64,35 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2", lo=0.0, hi=1.0)
     grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
     seq_len: int | None = _f(None, "tokens per sequence (default: 2048, or the model's context if shorter)", lo=2)
-    micro_batch: int | None = _f(None, "sequences per GPU per forward (default: the largest <= 14 that divides "
-                                       "the global batch's share of each GPU)", lo=1)
+    micro_batch: int | None = _f(
+        None,
+        "sequences per GPU per forward (default: the largest <= 14 that divides the global batch's share of each GPU)",
+        lo=1,
+    )
     global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)", lo=1)
     eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0)
-    eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)",
-                                  lo=1)
+    eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
     checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)", lo=0)
-    checkpoint_minutes: float | None = _f(None, "also checkpoint every N minutes of wall time "
-                                                "(default 30 on SageMaker, where SIGTERM never reaches us)", lo=0.0)
-    async_checkpoint: bool = _f(True, "write checkpoints in the background (training waits only for the copy "
-                                      "off the GPU)")
+    checkpoint_minutes: float | None = _f(
+        None,
+        "also checkpoint every N minutes of wall time (default 30 on SageMaker, where SIGTERM never reaches us)",
+        lo=0.0,
+    )
+    async_checkpoint: bool = _f(
+        True, "write checkpoints in the background (training waits only for the copy off the GPU)"
+    )
     keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
     eval_only: bool = _f(False, "only evaluate BPB of --base-model with --tokenizer on --eval-text or val split")
-    eval_text: list[str] | None = _f(None, "raw text files for BPB (default: the val split's documents)",
-                                     nargs="+")
+    eval_text: list[str] | None = _f(None, "raw text files for BPB (default: the val split's documents)", nargs="+")
     device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
     seed: int = _f(0, "seed for init and the data order")
     liger: bool = _f(True, "Liger fused kernels on CUDA (RMSNorm, RoPE, SwiGLU, fused linear CE)")
     compile: bool = _f(False, "torch.compile each transformer block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
-    export_dtype: str = _f("float32", "dtype of the exported safetensors (bfloat16 halves the size)",
-                           choices=("float32", "bfloat16"))
+    export_dtype: str = _f(
+        "float32", "dtype of the exported safetensors (bfloat16 halves the size)", choices=("float32", "bfloat16")
+    )
 
 
 # ---------------------------------------------------------------- finetune.py
@@ -91,10 +102,16 @@ class TrainConfig:
 class FinetuneConfig:
     model: str | None = _f(None, "HF-format Llama directory (the CPT export)", channel="model")
     tokenizer: str | None = _f(None, "directory with tokenizer.json (default: --model)", channel="tokenizer")
-    data: str | None = _f(None, "chat JSONL file, or a directory: train*.jsonl / *.jsonl train, val*.jsonl / "
-                                "*_val.jsonl validate", channel="data")
-    val_data: str | None = _f(None, "val chat JSONL file or directory of them (default: val files in --data, "
-                                    "else a --val-fraction split)", channel="val_data")
+    data: str | None = _f(
+        None,
+        "chat JSONL file, or a directory: train*.jsonl / *.jsonl train, val*.jsonl / *_val.jsonl validate",
+        channel="data",
+    )
+    val_data: str | None = _f(
+        None,
+        "val chat JSONL file or directory of them (default: val files in --data, else a --val-fraction split)",
+        channel="val_data",
+    )
     val_fraction: float = _f(0.05, "held out of --data when there is no val file", lo=0.0, hi=0.5)
     out: str = _f("runs/finetune", "adapter (and merged/) here", container=CONTAINER_MODEL)
     on_bad_line: str = _f("fail", "malformed JSONL lines", choices=("fail", "skip"))
@@ -106,13 +123,17 @@ class FinetuneConfig:
     max_seq_len: int = _f(1024, "tokens per conversation (longer ones are truncated)", lo=2)
     steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
     epochs: float = _f(1.0, "passes over the data when --steps is not given", lo=0.0)
-    lr: float = _f(2e-4, "peak learning rate", lo=0.0)
+    lr: float = _f(2e-4, "peak learning rate", lo=0.0, hi=1.0)
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
     warmup: int = _f(10, "linear warm-up steps", lo=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", lo=0.0)
     grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
-    micro_batch: int | None = _f(None, "conversations per forward, per process (default: the largest <= 4 that "
-                                       "divides each process's share of --global-batch)", lo=1)
+    micro_batch: int | None = _f(
+        None,
+        "conversations per forward, per process (default: the largest <= 4 that "
+        "divides each process's share of --global-batch)",
+        lo=1,
+    )
     global_batch: int = _f(16, "conversations per step, all processes", lo=1)
     eval_every: int = _f(50, "val loss every N steps", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
@@ -136,8 +157,9 @@ class FinetuneConfig:
 
 @dataclass
 class CorpusConfig:
-    corpus: list[str] | None = _f(None, ".txt/.jsonl files (or .gz of them), dirs (default: the demo corpus)",
-                                  nargs="+", channel="corpus")
+    corpus: list[str] | None = _f(
+        None, ".txt/.jsonl files (or .gz of them), dirs (default: the demo corpus)", nargs="+", channel="corpus"
+    )
     doc_sep: str = _f("line", ".txt: a document a line, or blank-line separated", choices=("line", "blank"))
     text_field: str = _f("text", ".jsonl field holding the text")
     errors: str = _f("strict", "invalid UTF-8: fail, or replace with U+FFFD", choices=("strict", "replace"))
@@ -157,22 +179,24 @@ class TokenizeTrainConfig(CorpusConfig):
 @dataclass
 class TokenizeReportConfig(CorpusConfig):
     tokenizer: str | None = _f(None, "our tokenizer dir (or tokenizer.json)", channel="tokenizer")
-    baseline: str | None = _f(None, "a baseline tokenizer.json or the dir holding it (the base model's)",
-                              channel="baseline")
-    json: str | None = _f(None, "write the JSON report to this file instead of printing it",
-                          container=f"{CONTAINER_MODEL}/report.json")
+    baseline: str | None = _f(
+        None, "a baseline tokenizer.json or the dir holding it (the base model's)", channel="baseline"
+    )
+    json: str | None = _f(
+        None, "write the JSON report to this file instead of printing it", container=f"{CONTAINER_MODEL}/report.json"
+    )
     overwrite: bool = _f(False, "replace an existing --json file")
 
 
 @dataclass
 class TokenizeEncodeConfig(CorpusConfig):
     tokenizer: str | None = _f(None, "tokenizer dir (or tokenizer.json)", channel="tokenizer")
-    val_corpus: list[str] | None = _f(None, "a separate val corpus (then --val-fraction is unused)", nargs="+",
-                                      channel="val_corpus")
+    val_corpus: list[str] | None = _f(
+        None, "a separate val corpus (then --val-fraction is unused)", nargs="+", channel="val_corpus"
+    )
     val_fraction: float = _f(0.01, "val share of documents, by text hash", lo=0.0, hi=0.5)
     shard_tokens: int = _f(100_000_000, "tokens per .bin file", lo=1024)
-    batch_mb: int | None = _f(None, "MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4)",
-                              lo=1)
+    batch_mb: int | None = _f(None, "MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4)", lo=1)
     out: str | None = _f(None, "shard directory to write", container=CONTAINER_MODEL)
     overwrite: bool = _f(False, "replace an existing shard directory (only one this command wrote)")
 
@@ -255,8 +279,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         typ = {"int": int, "float": float, "str": str, "list[str]": str}.get(base, str)
         if "None" in str(f.type) and typ is not str:
             typ = _none_or(typ)
-        parser.add_argument(flag(f.name), default=f.default, type=typ, help=help_,
-                            metavar=f.name.upper() if "choices" not in meta else None, **meta)
+        parser.add_argument(
+            flag(f.name),
+            default=f.default,
+            type=typ,
+            help=help_,
+            metavar=f.name.upper() if "choices" not in meta else None,
+            **meta,
+        )
 
 
 def normalize_bools(argv: list[str], cls) -> list[str]:
@@ -285,6 +315,8 @@ def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
         v, lo, hi = getattr(cfg, f.name), f.metadata.get("lo"), f.metadata.get("hi")
         if v is None or isinstance(v, (bool, list, str)):
             continue
+        if isinstance(v, float) and not math.isfinite(v):  # argparse's float() takes "nan" and "inf"
+            parser.error(f"{flag(f.name)} must be a finite number, got {v}")
         if lo is not None and v < lo:
             parser.error(f"{flag(f.name)} must be >= {lo}, got {v}")
         if hi is not None and v > hi:
@@ -309,8 +341,9 @@ def sm_defaults(cfg) -> None:
 def make_parser(cls, prog: str, doc: str) -> Parser:
     """The parser of one stage: description = the docstring's first paragraph, epilog = its examples."""
     head, _, rest = doc.strip().partition("\n\n")
-    p = Parser(prog=prog, description=head, epilog=rest.split("\n\n")[0], formatter_class=HelpFormatter,
-               allow_abbrev=False)
+    p = Parser(
+        prog=prog, description=head, epilog=rest.split("\n\n")[0], formatter_class=HelpFormatter, allow_abbrev=False
+    )
     add_dataclass_args(p, cls)
     return p
 

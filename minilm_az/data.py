@@ -15,14 +15,26 @@ from minilm_az.shards import TokenStream
 
 
 class BatchStream:
-    def __init__(self, stream: TokenStream, seq_len: int, global_batch: int, micro_batch: int,
-                 rank: int = 0, world_size: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        stream: TokenStream,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
         if global_batch % (micro_batch * world_size):
-            raise ValueError(f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
-                             f"{world_size} processes; pick values where it is")
+            raise ValueError(
+                f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x "
+                f"{world_size} processes; pick values where it is"
+            )
         if stream.num_tokens < seq_len + 2:
-            raise ValueError(f"the {stream.split} split has {stream.num_tokens} tokens, fewer than one sequence "
-                             f"of --seq-len {seq_len}: use a shorter --seq-len or more data")
+            raise ValueError(
+                f"the {stream.split} split has {stream.num_tokens} tokens, fewer than one sequence "
+                f"of --seq-len {seq_len}: use a shorter --seq-len or more data"
+            )
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rank, self.world_size = rank, world_size
@@ -36,9 +48,9 @@ class BatchStream:
     def micro_batches(self, step: int, device: torch.device | str = "cpu"):
         """Yield this rank's `accum_steps` (inputs, targets) pairs for `step`, each (micro_batch, seq_len)."""
         per_rank = self.global_batch // self.world_size
-        mine = self.step_offsets(step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        mine = self.step_offsets(step)[self.rank * per_rank : (self.rank + 1) * per_rank]
         for i in range(self.accum_steps):
-            chunk = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
+            chunk = mine[i * self.micro_batch : (i + 1) * self.micro_batch]
             rows = [self.stream.get(int(o), self.seq_len + 1) for o in chunk]
             w = torch.from_numpy(np.stack(rows))
             if torch.device(device).type == "cuda":

@@ -12,8 +12,9 @@ from minilm_az.model import KVCache, Llama
 from minilm_az.tokenizer import EOS, EOT
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None = None) -> int:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> int:
     """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
     if temperature <= 0:
         return int(logits.argmax())
@@ -28,9 +29,16 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
 
 
 @torch.no_grad()
-def generate_ids(model: Llama, prompt: list[int], max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = 0, stop_ids: tuple[int, ...] = (),
-                 use_cache: bool = True) -> list[int]:
+def generate_ids(
+    model: Llama,
+    prompt: list[int],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = 0,
+    stop_ids: tuple[int, ...] = (),
+    use_cache: bool = True,
+) -> list[int]:
     """New ids after `prompt`, up to `max_new_tokens` or a stop id (not returned).
 
     `use_cache=False` recomputes the whole sequence every step (the reference the cache is tested against).
@@ -63,8 +71,15 @@ def generate_ids(model: Llama, prompt: list[int], max_new_tokens: int = 256, tem
     return out
 
 
-def generate(model: Llama, tok: Tokenizer, messages: list[dict], max_new_tokens: int = 256,
-             temperature: float = 0.7, top_p: float = 0.9, seed: int | None = 0) -> str:
+def generate(
+    model: Llama,
+    tok: Tokenizer,
+    messages: list[dict],
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int | None = 0,
+) -> str:
     """The assistant's reply to a conversation (greedy when temperature is 0)."""
     was_training = model.training
     model.eval()

@@ -57,7 +57,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_grad else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         for s in range(0, n, chunk):
-            hc, tc = h[s:s + chunk], targets[s:s + chunk]
+            hc, tc = h[s : s + chunk], targets[s : s + chunk]
             logits = (hc @ w.T).float()  # (c, V)
             lse = torch.logsumexp(logits, dim=-1)
             safe_t = tc.clamp_min(0)
@@ -69,7 +69,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 g[torch.arange(len(tc), device=g.device), safe_t] -= 1.0
                 g *= (vc.float() * scale)[:, None]
                 g = g.to(h.dtype)
-                grad_h[s:s + chunk] = g @ w
+                grad_h[s : s + chunk] = g @ w
                 grad_w += (g.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w.to(w.dtype) if need_grad else None)
         return total * scale
@@ -82,9 +82,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return gh, gw, None, None, None, None, None
 
 
-def chunked_linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
-                                 reduction: str = "mean", ignore_index: int = -100,
-                                 chunk: int = 2048) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    chunk: int = 2048,
+) -> torch.Tensor:
     """CE(h @ w.T, targets): mean over non-ignored targets, or the sum (nats) with reduction="sum"."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -124,8 +129,9 @@ def _liger_ops() -> Ops:
 
     def l_flce(h, w, targets, reduction="mean", ignore_index=-100):
         # fp32 accumulation of the head gradient: bf16 sums over 100k rows x many chunks drift.
-        return liger_fused_linear_cross_entropy(h, w, targets, ignore_index=ignore_index, reduction=reduction,
-                                                accum_dtype=torch.float32)
+        return liger_fused_linear_cross_entropy(
+            h, w, targets, ignore_index=ignore_index, reduction=reduction, accum_dtype=torch.float32
+        )
 
     return Ops("liger", l_rms_norm, l_rope, liger_swiglu, l_flce)
 

@@ -42,6 +42,7 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     # Same as model.copy_full_into (lora.py imports no engine module): a DTensor keeps only its shard.
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
+
         param.to_local().copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements).to_local())
     else:
         param.copy_(full)
@@ -117,8 +118,10 @@ class LoRALinear(nn.Module):
 
 # ---------------------------------------------------------------- injection and parameter helpers
 
-def apply_lora(model: nn.Module, r: int = 64, alpha: float = 28, dropout: float = 0.05,
-               targets: Iterable[str] = TARGETS) -> list[str]:
+
+def apply_lora(
+    model: nn.Module, r: int = 64, alpha: float = 28, dropout: float = 0.05, targets: Iterable[str] = TARGETS
+) -> list[str]:
     """Replace every Linear whose attribute name is in `targets` by a LoRALinear; freeze the rest.
 
     Returns the replaced module names. Raises if a target matches nothing (a typo would otherwise train nothing).
@@ -194,6 +197,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------- PEFT-format adapters
 
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT-named full adapter tensors. On a sharded model every rank must call it (it gathers)."""
     out = {}
@@ -209,8 +213,13 @@ def _base_fingerprint(model: nn.Module) -> dict:
     return {k: d[k] for k in _BASE_FIELDS if k in d}
 
 
-def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None,
-                 is_writer: bool = True, dtype: torch.dtype = torch.float32) -> None:
+def save_adapter(
+    model: nn.Module,
+    path: str,
+    base_model_name_or_path: str | None = None,
+    is_writer: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT's format) into `path`, atomically.
 
     The base model's shape is kept in the safetensors metadata, so `load_adapter` can refuse another base.
@@ -223,16 +232,29 @@ def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | Non
         return
     tensors = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()}
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": lc["r"], "lora_alpha": lc["alpha"], "lora_dropout": lc["dropout"],
-        "target_modules": sorted(lc["targets"]), "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
-        "use_rslora": False, "use_dora": False, "revision": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lc["r"],
+        "lora_alpha": lc["alpha"],
+        "lora_dropout": lc["dropout"],
+        "target_modules": sorted(lc["targets"]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "revision": None,
     }
     # Staged inside `path` and moved in (the .json config after the weights), so `path` may be a mount point.
     with staged_output(path, stage=ADAPTER_STAGE) as tmp:
-        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE),
-                  metadata={"format": "pt", "minilm_az.base": json.dumps(_base_fingerprint(model), sort_keys=True)})
+        save_file(
+            tensors,
+            os.path.join(tmp, WEIGHTS_FILE),
+            metadata={"format": "pt", "minilm_az.base": json.dumps(_base_fingerprint(model), sort_keys=True)},
+        )
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
 
@@ -282,8 +304,9 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError) as e:  # truncated, corrupt, or not a safetensors file at all
-        raise AdapterError(f"{wfile}: not a readable safetensors file ({e}); retrain or re-download the adapter") \
-            from None
+        raise AdapterError(
+            f"{wfile}: not a readable safetensors file ({e}); retrain or re-download the adapter"
+        ) from None
     if "minilm_az.base" in meta:
         try:
             theirs = json.loads(meta["minilm_az.base"])
@@ -294,12 +317,18 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
         ours = _base_fingerprint(model)
         diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
         if diff:
-            raise AdapterError(f"{wfile}: adapter was trained on a different base model "
-                               f"(adapter vs this model: {diff})")
+            raise AdapterError(
+                f"{wfile}: adapter was trained on a different base model (adapter vs this model: {diff})"
+            )
     if not hasattr(model, "lora_config"):
         try:
-            apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"],
-                       dropout=cfg.get("lora_dropout", 0.0) if dropout is None else dropout, targets=targets)
+            apply_lora(
+                model,
+                r=cfg["r"],
+                alpha=cfg["lora_alpha"],
+                dropout=cfg.get("lora_dropout", 0.0) if dropout is None else dropout,
+                targets=targets,
+            )
         except ValueError as e:
             raise AdapterError(f"{path}: {e} (adapter for a different architecture?)") from None
     modules = dict(lora_modules(model))
@@ -314,17 +343,23 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
         else:
             raise AdapterError(f"{wfile}: unexpected tensor {key!r} (not a LoRA A/B weight)")
         if mod not in modules:
-            raise AdapterError(f"{wfile}: tensor {key!r} targets module {mod!r}, which this model does not have "
-                               "(adapter for a different base model?)")
+            raise AdapterError(
+                f"{wfile}: tensor {key!r} targets module {mod!r}, which this model does not have "
+                "(adapter for a different base model?)"
+            )
         p = getattr(modules[mod], part)
         if tuple(t.shape) != tuple(p.shape):
-            raise AdapterError(f"{wfile}: tensor {key!r} has shape {tuple(t.shape)}, this model expects "
-                               f"{tuple(p.shape)} (adapter for a different base model or rank?)")
+            raise AdapterError(
+                f"{wfile}: tensor {key!r} has shape {tuple(t.shape)}, this model expects "
+                f"{tuple(p.shape)} (adapter for a different base model or rank?)"
+            )
         with torch.no_grad():
             _copy_full(p, t.to(device=p.device, dtype=torch.float32))
         seen.add((mod, part))
     missing = [f"{m}.{part}" for m in modules for part in ("lora_A", "lora_B") if (m, part) not in seen]
     if missing:
-        raise AdapterError(f"{wfile}: missing adapter tensor(s) {', '.join(missing[:4])}"
-                           + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+        raise AdapterError(
+            f"{wfile}: missing adapter tensor(s) {', '.join(missing[:4])}"
+            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        )
     return list(modules)

@@ -62,8 +62,11 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N_non-embedding + 6·dim·vocab (head) + 12·layers·dim·seq (attention)."""
-        return 6 * self.num_params(embedding=False) + 6 * self.dim * self.vocab_size + \
-            12 * self.n_layers * self.dim * seq_len
+        return (
+            6 * self.num_params(embedding=False)
+            + 6 * self.dim * self.vocab_size
+            + 12 * self.n_layers * self.dim * seq_len
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,8 +74,17 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # A few million parameters: CPU tests and the demo (vocab is set from the tokenizer).
-    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=8192,
-                        rope_theta=10000.0, rope_factor=None, max_seq_len=1024),
+    "tiny": ModelConfig(
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=384,
+        vocab_size=8192,
+        rope_theta=10000.0,
+        rope_factor=None,
+        max_seq_len=1024,
+    ),
     "llama3.2-1b": ModelConfig(),
 }
 
@@ -90,8 +102,12 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
     if cfg.rope_factor is None:
         return inv_freq.float()
-    factor, lo, hi, old = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                           cfg.rope_original_max_seq_len)
+    factor, lo, hi, old = (
+        cfg.rope_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_seq_len,
+    )
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended.
     scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
@@ -105,6 +121,7 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor into a parameter, keeping only the local shard when it is a DTensor."""
     if hasattr(param, "device_mesh"):  # a DTensor: imported lazily so this file needs no distributed code
         from torch.distributed.tensor import distribute_tensor
+
         full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements).to_local()
         param.to_local().copy_(full)
     else:
@@ -134,9 +151,9 @@ class KVCache:
         T = k.shape[2]
         if pos + T > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; asked for {pos + T}")
-        self.k[layer][:, :, pos:pos + T] = k
-        self.v[layer][:, :, pos:pos + T] = v
-        return self.k[layer][:, :, :pos + T], self.v[layer][:, :, :pos + T]
+        self.k[layer][:, :, pos : pos + T] = k
+        self.v[layer][:, :, pos : pos + T] = v
+        return self.k[layer][:, :, : pos + T], self.v[layer][:, :, : pos + T]
 
 
 class Attention(nn.Module):
@@ -161,8 +178,9 @@ class Attention(nn.Module):
             if pos > 0:  # queries at pos..pos+T-1 see every cached key up to their own position
                 causal = False
                 mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -254,8 +272,14 @@ class Llama(nn.Module):
             x = block(x, cos, sin, cache, pos)
         return self.model.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, pos: int = 0, reduction: str = "mean"):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        pos: int = 0,
+        reduction: str = "mean",
+    ):
         """Logits (B, T, V), or the loss when `targets` (already shifted; -100 ignored) is given.
 
         The loss goes through `ops.linear_cross_entropy`, which never materialises the full logits.
@@ -264,8 +288,9 @@ class Llama(nn.Module):
         h = self.hidden_states(input_ids, cache, pos)
         if targets is None:
             return self.lm_head(h)
-        return self.ops.linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                            reduction=reduction)
+        return self.ops.linear_cross_entropy(
+            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction=reduction
+        )
 
 
 def meta_model(cfg: ModelConfig, ops: Ops = TORCH_OPS) -> Llama:
@@ -285,7 +310,8 @@ def materialize(model: Llama, device: str | torch.device, seed: int | None = 0, 
     return model
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0,
-                init: bool = True, ops: Ops = TORCH_OPS) -> Llama:
+def build_model(
+    cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0, init: bool = True, ops: Ops = TORCH_OPS
+) -> Llama:
     """Build on the meta device, then materialise on `device` (randomly initialised unless `init=False`)."""
     return materialize(meta_model(cfg, ops), device, seed, init)

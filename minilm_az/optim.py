@@ -16,8 +16,9 @@ def cosine_lr(step: int, lr: float, warmup: int, steps: int, min_lr_ratio: float
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def adamw(model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float,
-          cuda: bool) -> torch.optim.AdamW:
+def adamw(
+    model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float, cuda: bool
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; norm weights get no weight decay."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():

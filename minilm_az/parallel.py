@@ -8,6 +8,7 @@ materialise (allocate only the local shards) and load or initialise the weights.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,10 +53,28 @@ def setup(device: str = "auto", timeout_min: int = 30) -> Dist:
     if not dist.is_initialized():
         # A lone process (no torchrun) rendezvous in memory: no port to pick, nothing to collide with.
         store = dist.HashStore() if world == 1 and "MASTER_ADDR" not in os.environ else None
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                store=store, timeout=timedelta(minutes=timeout_min),
-                                device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo",
+            rank=rank,
+            world_size=world,
+            store=store,
+            timeout=timedelta(minutes=timeout_min),
+            device_id=dev if dev.type == "cuda" else None,
+        )
     return Dist(rank, world, local_rank, dev)
+
+
+def finish() -> None:
+    """After the last collective, on success only (a rank that raised must not wait here for the others).
+
+    No rank may reach interpreter shutdown while gloo's worker threads still hold a finished collective:
+    dropping its tensors needs the GIL, and a thread that asks for it during shutdown aborts the process
+    (SIGABRT after an export that succeeded: a failed SageMaker job, ~1 run in 6 on CPU). The barrier and the
+    pause (the GIL released) let every worker let go first.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.1)
 
 
 def teardown() -> None:
@@ -91,8 +110,10 @@ def split_batch(global_batch: int, world_size: int, micro_batch: int | None, lar
     if micro_batch is None:
         micro_batch = max(m for m in range(1, min(largest, share) + 1) if share % m == 0)
     if share % micro_batch:
-        raise ValueError(f"--global-batch {global_batch} is not a multiple of --micro-batch x processes "
-                         f"= {micro_batch} x {world_size}")
+        raise ValueError(
+            f"--global-batch {global_batch} is not a multiple of --micro-batch x processes "
+            f"= {micro_batch} x {world_size}"
+        )
     return micro_batch, share // micro_batch
 
 
@@ -107,14 +128,18 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def _save_matmuls_policy():
     # Selective AC: keep what is expensive to recompute (matmuls, attention), recompute the elementwise rest.
     ops = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention"):
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ):
         if hasattr(torch.ops.aten, name):
             ops.append(getattr(torch.ops.aten, name).default)
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
     return policy
 
 
@@ -131,14 +156,17 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     import functools
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy()) \
-        if mode == "selective" else None
+
+    context_fn = (
+        functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy()) if mode == "selective" else None
+    )
     for block in model.model.layers.values():
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
             kw = {"context_fn": context_fn} if context_fn else {}
             return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=False, **kw, **kwargs)
+
         block.forward = forward
 
 
@@ -156,8 +184,12 @@ def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: b
     in fp32; on CPU (gloo, tests) everything stays fp32.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
         else MixedPrecisionPolicy()
+    )
     blocks = list(model.model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is resharded right away by the root's backward anyway; keeping it saves a gather.

@@ -51,8 +51,10 @@ def _metric(stream: str, key: str) -> dict[str, str]:
 
 
 TRAIN_METRICS = tuple(
-    [_metric("train", k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
-                                   "mfu", "peak_mem_gib")]
+    [
+        _metric("train", k)
+        for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_mem_gib")
+    ]
     + [_metric("eval", k) for k in ("val_loss", "val_bpb")]
 )
 FINETUNE_METRICS = tuple(
@@ -79,12 +81,27 @@ class Stage:
 
 
 STAGES = {
-    "tokenize": Stage("tokenize.py", dict(C.TOKENIZE_CONFIGS), ("corpus",), "ml.m5.4xlarge", torchrun=False,
-                      checkpoints=False),
-    "train": Stage("train.py", {None: C.TrainConfig}, ("data",), "ml.p5.48xlarge", torchrun=True,
-                   checkpoints=True, metrics=TRAIN_METRICS),
-    "finetune": Stage("finetune.py", {None: C.FinetuneConfig}, ("data", "model"), "ml.g5.2xlarge",
-                      torchrun=False, checkpoints=False, metrics=FINETUNE_METRICS),
+    "tokenize": Stage(
+        "tokenize.py", dict(C.TOKENIZE_CONFIGS), ("corpus",), "ml.m5.4xlarge", torchrun=False, checkpoints=False
+    ),
+    "train": Stage(
+        "train.py",
+        {None: C.TrainConfig},
+        ("data",),
+        "ml.p5.48xlarge",
+        torchrun=True,
+        checkpoints=True,
+        metrics=TRAIN_METRICS,
+    ),
+    "finetune": Stage(
+        "finetune.py",
+        {None: C.FinetuneConfig},
+        ("data", "model"),
+        "ml.g5.2xlarge",
+        torchrun=False,
+        checkpoints=False,
+        metrics=FINETUNE_METRICS,
+    ),
 }
 TOKENIZE_COMMANDS = tuple(C.TOKENIZE_CONFIGS)
 
@@ -150,22 +167,33 @@ def _env_pair(value: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argparse tree: one subcommand per stage, each with the common flags."""
     p = C.Parser(  # one-line errors, like the scripts'
-        prog="python -m minilm_az.sagemaker", allow_abbrev=False,
+        prog="python -m minilm_az.sagemaker",
+        allow_abbrev=False,
         description="Launch a minilm-az stage as a SageMaker training job. Flags not listed here are "
-                    "passed to the script as hyperparameters (--steps 1000 -> train.py --steps 1000).")
+        "passed to the script as hyperparameters (--steps 1000 -> train.py --steps 1000).",
+    )
     sub = p.add_subparsers(dest="stage", required=True, metavar="{tokenize,train,finetune}")
     for name, stage in STAGES.items():
-        sp = sub.add_parser(name, allow_abbrev=False, help=f"run {stage.script}",
-                            description=f"Run {stage.script} on SageMaker; unknown flags go to the script.")
+        sp = sub.add_parser(
+            name,
+            allow_abbrev=False,
+            help=f"run {stage.script}",
+            description=f"Run {stage.script} on SageMaker; unknown flags go to the script.",
+        )
         if name == "tokenize":
             sp.add_argument("command", choices=TOKENIZE_COMMANDS, help="the tokenize.py subcommand")
         if name == "train":
             sp.add_argument("--phase", type=int, choices=(1, 2), required=True)
         g = sp.add_argument_group("inputs (S3 prefixes, mounted as channels)")
         for ch, fname in stage.channels().items():
-            g.add_argument(C.flag(fname), dest=f"ch_{ch}", type=_s3_uri, metavar="S3_URI",
-                           required=ch in stage.required,
-                           help=f"channel {ch!r}, passed as {C.flag(fname)} {CONTAINER_INPUT}/{ch}")
+            g.add_argument(
+                C.flag(fname),
+                dest=f"ch_{ch}",
+                type=_s3_uri,
+                metavar="S3_URI",
+                required=ch in stage.required,
+                help=f"channel {ch!r}, passed as {C.flag(fname)} {CONTAINER_INPUT}/{ch}",
+            )
         a = sp.add_argument_group("AWS")
         a.add_argument("--role", help="execution role ARN (default: the SageMaker SDK config file)")
         a.add_argument("--region", help="default: the usual AWS config (AWS_REGION, ~/.aws/config)")
@@ -176,28 +204,57 @@ def build_parser() -> argparse.ArgumentParser:
         m = sp.add_argument_group("machines and cost")
         m.add_argument("--instance-type", default=stage.instance_type, help="default: %(default)s")
         m.add_argument("--instance-count", type=int, default=1, help="default: %(default)s")
-        m.add_argument("--spot", action=argparse.BooleanOptionalAction, default=False,
-                       help="managed spot capacity (cheaper, interruptible; default: off)")
+        m.add_argument(
+            "--spot",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="managed spot capacity (cheaper, interruptible; default: off)",
+        )
         m.add_argument("--max-run-hours", type=float, default=24.0, help="hard stop (default: %(default)s)")
-        m.add_argument("--max-wait-hours", type=float,
-                       help="spot only: run time plus time waiting for capacity (default: 2 x max-run-hours)")
-        m.add_argument("--checkpoint-s3", type=_s3_uri, metavar="S3_URI",
-                       help=f"synced with {CHECKPOINT_LOCAL_PATH}; reuse it to resume"
-                            + (" (default: per job under the bucket)" if stage.checkpoints else ""))
+        m.add_argument(
+            "--max-wait-hours",
+            type=float,
+            help="spot only: run time plus time waiting for capacity (default: 2 x max-run-hours)",
+        )
+        m.add_argument(
+            "--checkpoint-s3",
+            type=_s3_uri,
+            metavar="S3_URI",
+            help=f"synced with {CHECKPOINT_LOCAL_PATH}; reuse it to resume"
+            + (" (default: per job under the bucket)" if stage.checkpoints else ""),
+        )
         m.add_argument("--volume-size", type=int, default=100, help="EBS GB per instance (default: %(default)s)")
-        m.add_argument("--input-mode", choices=("File", "FastFile"), default="File",
-                       help="File copies inputs before start; FastFile streams them (default: %(default)s)")
+        m.add_argument(
+            "--input-mode",
+            choices=("File", "FastFile"),
+            default="File",
+            help="File copies inputs before start; FastFile streams them (default: %(default)s)",
+        )
         c = sp.add_argument_group("container")
         c.add_argument("--framework-version", default=FRAMEWORK_VERSION, help="default: %(default)s")
         c.add_argument("--py-version", default=PY_VERSION, help="default: %(default)s")
         c.add_argument("--image-uri", help="custom training image (overrides the two above)")
-        c.add_argument("--torchrun", action=argparse.BooleanOptionalAction, default=stage.torchrun,
-                       help="one process per GPU on every instance (default: %(default)s)")
-        c.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-                       help="environment variable for the job (repeatable)")
+        c.add_argument(
+            "--torchrun",
+            action=argparse.BooleanOptionalAction,
+            default=stage.torchrun,
+            help="one process per GPU on every instance (default: %(default)s)",
+        )
+        c.add_argument(
+            "--env",
+            type=_env_pair,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="environment variable for the job (repeatable)",
+        )
         r = sp.add_argument_group("this command")
-        r.add_argument("--wait", action=argparse.BooleanOptionalAction, default=False,
-                       help="stay attached and stream the job's logs (default: return once created)")
+        r.add_argument(
+            "--wait",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="stay attached and stream the job's logs (default: return once created)",
+        )
         r.add_argument("--dry-run", action="store_true", help="print the request, send nothing")
     return p
 
@@ -228,8 +285,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.spot and args.max_wait_hours is not None and args.max_wait_hours < args.max_run_hours:
         parser.error("--max-wait-hours must be at least --max-run-hours")
     if args.instance_count > 1 and not args.torchrun:
-        parser.error(f"--instance-count {args.instance_count} without --torchrun would run the whole "
-                     f"job independently on every instance")
+        parser.error(
+            f"--instance-count {args.instance_count} without --torchrun would run the whole "
+            f"job independently on every instance"
+        )
     cls = stage_config(args)
     takes = C.channels(cls)
     for ch, fname in STAGES[args.stage].channels().items():
@@ -240,15 +299,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fixed = set(C.container_paths(cls)) | {f for f in takes.values()}
     for key in args.hyperparameters:
         if key.replace("-", "_") in fixed:
-            parser.error(f"--{key} is set by the launcher (a channel or a container path); pass an S3 URI to the "
-                         f"input flag instead")
+            parser.error(
+                f"--{key} is set by the launcher (a channel or a container path); pass an S3 URI to the "
+                f"input flag instead"
+            )
     try:  # the script's own parser, here on the laptop: a typo must not cost an instance start-up
         C.check_args(cls, container_args({k: json.dumps(v) for k, v in args.hyperparameters.items()}))
     except ValueError as e:
         parser.error(f"{STAGES[args.stage].script}: {e}")
     if args.torchrun and not args.image_uri and not is_gpu_instance(args.instance_type):
-        parser.error(f"--torchrun needs a GPU instance (ml.p*/ml.g*), not {args.instance_type}; "
-                     "pass --no-torchrun for a single CPU process")
+        parser.error(
+            f"--torchrun needs a GPU instance (ml.p*/ml.g*), not {args.instance_type}; "
+            "pass --no-torchrun for a single CPU process"
+        )
     return args
 
 
@@ -325,14 +388,26 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
         max_wait_s = int((args.max_wait_hours or 2 * args.max_run_hours) * 3600)
     channels = {ch: getattr(args, f"ch_{ch}") for ch in stage.channels() if getattr(args, f"ch_{ch}")}
     return JobPlan(
-        stage=args.stage, job_name=job_name,
+        stage=args.stage,
+        job_name=job_name,
         entry_point=ENTRY_WRAPPER if args.stage == "tokenize" else stage.script,
-        hyperparameters=hps, channels=channels, role=role,
-        instance_type=args.instance_type, instance_count=args.instance_count, torchrun=args.torchrun,
-        spot=args.spot, max_run_s=max_run_s, max_wait_s=max_wait_s, checkpoint_uri=checkpoint_uri,
-        output_path=f"{root}/output", code_location=f"{root}/code",
-        volume_size=args.volume_size, input_mode=args.input_mode,
-        framework_version=args.framework_version, py_version=args.py_version, image_uri=args.image_uri,
+        hyperparameters=hps,
+        channels=channels,
+        role=role,
+        instance_type=args.instance_type,
+        instance_count=args.instance_count,
+        torchrun=args.torchrun,
+        spot=args.spot,
+        max_run_s=max_run_s,
+        max_wait_s=max_wait_s,
+        checkpoint_uri=checkpoint_uri,
+        output_path=f"{root}/output",
+        code_location=f"{root}/code",
+        volume_size=args.volume_size,
+        input_mode=args.input_mode,
+        framework_version=args.framework_version,
+        py_version=args.py_version,
+        image_uri=args.image_uri,
         environment={"PYTHONUNBUFFERED": "1", **dict(args.env)},
         metric_definitions=[dict(m) for m in stage.metrics],
     )
@@ -349,11 +424,11 @@ def stage_source_dir(dest: str | Path, *, gpu: bool, root: str | Path = PROJECT_
         raise FileNotFoundError(f"{root} has no minilm_az/: launch from a checkout of the project")
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(root.iterdir()):
-        if f.is_file() and (f.suffix == ".py" or f.name in ("setup.cfg", "pyproject.toml", "README.md")
-                            or f.name.startswith("LICENSE")):
+        if f.is_file() and (
+            f.suffix == ".py" or f.name in ("setup.cfg", "pyproject.toml", "README.md") or f.name.startswith("LICENSE")
+        ):
             shutil.copy2(f, dest / f.name)
-    shutil.copytree(root / "minilm_az", dest / "minilm_az",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(root / "minilm_az", dest / "minilm_az", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     req = root / REQUIREMENTS_FILE
     if not req.is_file():
         raise FileNotFoundError(f"{req} is missing; the container would not install the project")
@@ -378,15 +453,25 @@ def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Pat
     if plan.checkpoint_uri:
         kwargs.update(checkpoint_s3_uri=plan.checkpoint_uri, checkpoint_local_path=CHECKPOINT_LOCAL_PATH)
     return PyTorch(
-        entry_point=plan.entry_point, source_dir=str(source_dir), role=plan.role,
-        instance_type=plan.instance_type, instance_count=plan.instance_count,
-        hyperparameters=dict(plan.hyperparameters), environment=dict(plan.environment),
+        entry_point=plan.entry_point,
+        source_dir=str(source_dir),
+        role=plan.role,
+        instance_type=plan.instance_type,
+        instance_count=plan.instance_count,
+        hyperparameters=dict(plan.hyperparameters),
+        environment=dict(plan.environment),
         metric_definitions=[dict(m) for m in plan.metric_definitions] or None,
-        output_path=plan.output_path, code_location=plan.code_location,
-        volume_size=plan.volume_size, input_mode=plan.input_mode, max_run=plan.max_run_s,
+        output_path=plan.output_path,
+        code_location=plan.code_location,
+        volume_size=plan.volume_size,
+        input_mode=plan.input_mode,
+        max_run=plan.max_run_s,
         disable_output_compression=True,  # model dir lands as files, ready to be the next channel
-        disable_profiler=True, debugger_hook_config=False,  # no Debugger hooks in a torchrun job
-        base_job_name=plan.job_name, sagemaker_session=sagemaker_session, **kwargs,
+        disable_profiler=True,
+        debugger_hook_config=False,  # no Debugger hooks in a torchrun job
+        base_job_name=plan.job_name,
+        sagemaker_session=sagemaker_session,
+        **kwargs,
     )
 
 
@@ -459,15 +544,20 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
         role = args.role or resolve_value_from_config(None, TRAINING_JOB_ROLE_ARN_PATH, sagemaker_session=session)
         if not role:
             if not args.dry_run:
-                raise SystemExit("error: no execution role: pass --role arn:aws:iam::ACCOUNT:role/NAME "
-                                 "(the README's SageMaker section lists what it needs)")
+                raise SystemExit(
+                    "error: no execution role: pass --role arn:aws:iam::ACCOUNT:role/NAME "
+                    "(the README's SageMaker section lists what it needs)"
+                )
             role = "arn:aws:iam::ACCOUNT:role/ROLE"
         plan = plan_job(args, bucket=bucket, role=role)
         with tempfile.TemporaryDirectory(prefix="minilm-az-src-") as tmp:
             src = stage_source_dir(tmp, gpu=is_gpu_instance(plan.instance_type), root=root)
             estimator = build_estimator(plan, session, src)
-            estimator.fit(inputs={k: _channel_input(v, plan.input_mode) for k, v in plan.channels.items()},
-                          job_name=plan.job_name, wait=False)
+            estimator.fit(
+                inputs={k: _channel_input(v, plan.input_mode) for k, v in plan.channels.items()},
+                job_name=plan.job_name,
+                wait=False,
+            )
         if args.wait and not args.dry_run:
             estimator.latest_training_job.wait(logs="All")
     finally:
@@ -525,22 +615,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launched = launch(args)
     except Exception as e:  # botocore/SDK errors (bad region, role, credentials) are one line here, not 190
-        print(f"python -m minilm_az.sagemaker: error: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
-              file=sys.stderr)
+        print(
+            f"python -m minilm_az.sagemaker: error: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
+            file=sys.stderr,
+        )
         return 2
     plan, req = launched.plan, launched.request
     if args.dry_run:
         print(json.dumps(req, indent=2, default=str))
     region = (req.get("HyperParameters") or {}).get("sagemaker_region", '""').strip('"')
-    print(f"{'dry run, nothing sent: would create' if args.dry_run else 'created'} training job {plan.job_name}",
-          file=sys.stderr)
+    print(
+        f"{'dry run, nothing sent: would create' if args.dry_run else 'created'} training job {plan.job_name}",
+        file=sys.stderr,
+    )
     print(f"  runs:        {container_command(plan, req.get('HyperParameters', {}))}", file=sys.stderr)
     print(f"  model to:    {plan.model_uri}", file=sys.stderr)
     if plan.checkpoint_uri:
         print(f"  checkpoints: {plan.checkpoint_uri}  (pass --checkpoint-s3 with this to resume)", file=sys.stderr)
     if not args.dry_run:
-        print(f"  console:     https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
-              f"#/jobs/{plan.job_name}", file=sys.stderr)
+        print(
+            f"  console:     https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
+            f"#/jobs/{plan.job_name}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -586,9 +683,25 @@ def run_entry(argv: list[str], root: str | Path) -> None:
 
 
 __all__ = [
-    "FINETUNE_METRICS", "STAGES", "TRAIN_METRICS", "JobPlan", "Launched", "Stage", "build_estimator",
-    "build_parser", "container_args", "container_command", "entry_argv", "is_gpu_instance", "launch",
-    "main", "parse_args", "parse_passthrough", "plan_job", "run_entry", "stage_source_dir",
+    "FINETUNE_METRICS",
+    "STAGES",
+    "TRAIN_METRICS",
+    "JobPlan",
+    "Launched",
+    "Stage",
+    "build_estimator",
+    "build_parser",
+    "container_args",
+    "container_command",
+    "entry_argv",
+    "is_gpu_instance",
+    "launch",
+    "main",
+    "parse_args",
+    "parse_passthrough",
+    "plan_job",
+    "run_entry",
+    "stage_source_dir",
 ]
 
 if __name__ == "__main__":

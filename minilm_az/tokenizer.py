@@ -188,8 +188,10 @@ def check_model_tokenizer(model_dir: str, tokenizer: str | None, flag: str) -> N
         return
     mine, theirs = tokenizer_hash(own), tokenizer_hash(tokenizer)
     if mine != theirs:
-        raise ValueError(f"{flag} {tokenizer} is not the tokenizer of {model_dir} (tokenizer.json {theirs[:12]} vs "
-                         f"the model's {mine[:12]}): pass the model's own tokenizer")
+        raise ValueError(
+            f"{flag} {tokenizer} is not the tokenizer of {model_dir} (tokenizer.json {theirs[:12]} vs "
+            f"the model's {mine[:12]}): pass the model's own tokenizer"
+        )
 
 
 def eos_id(tok: Tokenizer) -> int:

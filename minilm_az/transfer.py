@@ -24,8 +24,9 @@ class TransferStats:
         return f"copied={self.copied} averaged={self.averaged} special_mean={self.special_mean}"
 
 
-def transfer_embedding(base_rows: torch.Tensor, base_tok: Tokenizer, new_tok: Tokenizer,
-                       new_vocab_size: int | None = None) -> tuple[torch.Tensor, TransferStats]:
+def transfer_embedding(
+    base_rows: torch.Tensor, base_tok: Tokenizer, new_tok: Tokenizer, new_vocab_size: int | None = None
+) -> tuple[torch.Tensor, TransferStats]:
     """New (new_vocab_size, dim) fp32 matrix built from `base_rows` (base_vocab, dim); ids past the
     tokenizer's (padding up to a multiple) get the overall mean too."""
     base_rows = base_rows.float()

@@ -2,11 +2,19 @@
 
 import glob
 import os
+import shutil
+from pathlib import Path
 
 import pytest
+import sm_container  # tests/ is on sys.path (pytest puts conftest.py's folder there)
 import torch
 
 torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLE = "arn:aws:iam::123456789012:role/minilm-az-sagemaker"
+BUCKET = "minilm-az-test"
+AWS_TEST_ENV = sm_container.aws_test_env()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,9 +30,14 @@ def pytest_collection_modifyitems(config, items):
 def small_tokenizer_dir(tmp_path_factory) -> str:
     """A 600-id tokenizer trained on data/az, written as a tokenizer dir (shared by the chat-side tests)."""
     from minilm_az.tokenizer import train_tokenizer, write_tokenizer_files
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    lines = [ln.strip() for f in sorted(glob.glob(os.path.join(root, "data/az/*.txt")))
-             for ln in open(f, encoding="utf-8") if ln.strip()]
+    lines = [
+        ln.strip()
+        for f in sorted(glob.glob(os.path.join(root, "data/az/*.txt")))
+        for ln in open(f, encoding="utf-8")
+        if ln.strip()
+    ]
     out = str(tmp_path_factory.mktemp("small_tok"))
     write_tokenizer_files(train_tokenizer(lines, 600, progress=False), out)
     return out
@@ -37,3 +50,42 @@ def quick_demo(tmp_path_factory) -> str:
     from demo import run as demo
 
     return os.path.dirname(demo.run_demo("ci", demo.QUICK, str(tmp_path_factory.mktemp("runs"))))
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    """A boto3 session inside moto's mock: fake credentials, a region, no config files, no metadata calls."""
+    pytest.importorskip("sagemaker")
+    moto = pytest.importorskip("moto")
+    import boto3
+
+    for k, v in AWS_TEST_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with moto.mock_aws():
+        session = boto3.Session(region_name="us-east-1")
+        session.client("s3").create_bucket(Bucket=BUCKET)
+        yield session
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A copy of the checkout, with stand-ins for root scripts not written yet, plus junk to leave behind."""
+    from minilm_az import sagemaker as sm
+
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in [
+        *ROOT.glob("*.py"),
+        *(ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md", sm.REQUIREMENTS_FILE)),
+    ]:
+        if f.is_file():
+            shutil.copy2(f, root / f.name)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_x.py").write_text("")
+    for stage in sm.STAGES.values():
+        if not (root / stage.script).exists():
+            (root / stage.script).write_text("raise SystemExit('stand-in')\n")
+    (root / "runs" / "old").mkdir(parents=True)
+    (root / "runs" / "old" / "model.safetensors").write_bytes(b"\0" * 1024)
+    return root

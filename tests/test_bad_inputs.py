@@ -381,6 +381,7 @@ ROWS = [
         absent=("{W}/out",),
         fast=True,
     ),
+    Row("train_lr_nan", f"{TR} --lr nan --out {{W}}/out", fragment="--lr", absent=("{W}/out",), fast=True),
     Row("train_steps_0", f"{TR} --steps 0 --out {{W}}/out", fragment="--steps", absent=("{W}/out",), fast=True),
     Row(
         "train_micro_batch_0",

@@ -9,8 +9,17 @@ import torch
 from minilm_az import bpb
 from minilm_az.model import ModelConfig, build_model
 
-BYTES = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=256, rope_factor=None,
-                    tie_embeddings=False, max_seq_len=64)
+BYTES = ModelConfig(
+    dim=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    ffn_dim=64,
+    vocab_size=256,
+    rope_factor=None,
+    tie_embeddings=False,
+    max_seq_len=64,
+)
 TEXT = "Azərbaycan dili türk dillərinin oğuz qrupuna daxildir. Bakı, Gəncə, Sumqayıt. " * 3
 
 
@@ -33,8 +42,9 @@ def test_uniform_model_over_bytes_gives_exactly_8_bits_per_byte(uniform):
     n_bytes = len(TEXT.encode("utf-8"))
     assert n_bytes % 48 != 0  # the last window is padded: its IGNORE targets must add nothing
     token_bytes = np.ones(256, dtype=np.int64)  # each id is one byte
-    nll, count, scored_bytes = bpb.total_nll(uniform, tokens, seq_len=48, micro_batch=3, device="cpu",
-                                             token_bytes=token_bytes)
+    nll, count, scored_bytes = bpb.total_nll(
+        uniform, tokens, seq_len=48, micro_batch=3, device="cpu", token_bytes=token_bytes
+    )
     assert count == n_bytes == scored_bytes
     assert nll == pytest.approx(n_bytes * math.log(256), rel=1e-6)
     assert bpb.bits_per_byte(nll, n_bytes) == pytest.approx(8.0, abs=1e-5)
@@ -48,7 +58,7 @@ def test_windows_cover_every_target_exactly_once(n, seq_len):
         assert x.shape == y.shape == (seq_len,)
         real = y != bpb.IGNORE
         np.testing.assert_array_equal(y[real], x[real] + 1)  # each target is predicted from the token before it
-        assert real[:real.sum()].all()  # padding only at the end
+        assert real[: real.sum()].all()  # padding only at the end
         targets += y[real].tolist()
     assert targets == list(range(1, n))
 
@@ -73,8 +83,9 @@ def test_rank_shares_sum_to_the_one_rank_total(world):
     for x, y in bpb.windows(tokens, 16):
         with torch.no_grad():
             logits = model(torch.from_numpy(x)[None])[0]
-        ref += float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y), ignore_index=bpb.IGNORE,
-                                                       reduction="sum"))
+        ref += float(
+            torch.nn.functional.cross_entropy(logits, torch.from_numpy(y), ignore_index=bpb.IGNORE, reduction="sum")
+        )
     assert one_nll == pytest.approx(ref, rel=1e-5)
 
 
@@ -91,10 +102,12 @@ def test_a_capped_evaluation_scores_the_same_tokens_and_bytes_on_any_number_of_r
     token_bytes = np.ones(256, dtype=np.int64)
     token_bytes[0] = 0  # pretend id 0 is a special token: scored, but no bytes
     one = bpb.total_nll(model, tokens, 16, 2, "cpu", max_windows=5, token_bytes=token_bytes)
-    shares = [bpb.total_nll(model, tokens, 16, 2, "cpu", rank=r, world_size=world, max_windows=5,
-                            token_bytes=token_bytes) for r in range(world)]
+    shares = [
+        bpb.total_nll(model, tokens, 16, 2, "cpu", rank=r, world_size=world, max_windows=5, token_bytes=token_bytes)
+        for r in range(world)
+    ]
     assert one[1] == 5 * 16 < len(tokens) - 1  # the cap is in windows over all ranks
     assert sum(s[1] for s in shares) == one[1] and sum(s[2] for s in shares) == one[2]
     assert sum(s[0] for s in shares) == pytest.approx(one[0], rel=1e-6)
-    exact = int(token_bytes[tokens[1:5 * 16 + 1]].sum())  # the bytes of exactly the scored targets
+    exact = int(token_bytes[tokens[1 : 5 * 16 + 1]].sum())  # the bytes of exactly the scored targets
     assert one[2] == exact

@@ -57,8 +57,11 @@ def _by_hand(tok, messages):
     return ids, train
 
 
-@pytest.mark.parametrize("messages", [[U1, A1], [SYSTEM, U1, A1], [SYSTEM, U1, A1, U2, A2], [U1, A1, U2, A2]],
-                         ids=["single", "system", "system-multi", "multi"])
+@pytest.mark.parametrize(
+    "messages",
+    [[U1, A1], [SYSTEM, U1, A1], [SYSTEM, U1, A1, U2, A2], [U1, A1, U2, A2]],
+    ids=["single", "system", "system-multi", "multi"],
+)
 def test_ids_equal_apply_chat_template_and_labels_are_assistant_only(tok, tok_dir, messages):
     ids, labels = encode_chat(messages, tok)
     assert ids == _hf_ids(tok_dir, messages)
@@ -107,20 +110,23 @@ def test_truncation_never_cuts_a_header_and_drops_untrainable(tok):
     assert ids == full[:header_start] and labels == full_labels[:header_start]
     # Cut inside an assistant's content keeps that turn's first tokens as targets.
     ids, labels = encode_chat(messages, tok, max_len=second_start + 3)
-    assert len(ids) == second_start + 3 and labels[-3:] == full[second_start:second_start + 3]
+    assert len(ids) == second_start + 3 and labels[-3:] == full[second_start : second_start + 3]
     # Cut before any assistant token: nothing to train on, said out loud.
     with pytest.raises(NothingToTrain, match="max_len=12"):
         encode_chat(messages, tok, max_len=12)
 
 
-@pytest.mark.parametrize("messages,match", [
-    ([{"role": "bot", "content": "salam"}, A1], "unknown role 'bot'"),
-    ([U1, {"role": "assistant", "content": "  "}], r"message 1 \(assistant\): empty content"),
-    ([U1, {"role": "user", "content": "yenə"}], "no assistant turn"),
-    ([U1, SYSTEM, A1], "system message may only come first"),
-    ([U1, {"role": "assistant", "content": 5}], "content must be a string"),
-    ([], "non-empty list"),
-])
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([{"role": "bot", "content": "salam"}, A1], "unknown role 'bot'"),
+        ([U1, {"role": "assistant", "content": "  "}], r"message 1 \(assistant\): empty content"),
+        ([U1, {"role": "user", "content": "yenə"}], "no assistant turn"),
+        ([U1, SYSTEM, A1], "system message may only come first"),
+        ([U1, {"role": "assistant", "content": 5}], "content must be a string"),
+        ([], "non-empty list"),
+    ],
+)
 def test_bad_conversations_are_refused(messages, match):
     with pytest.raises(ChatFormatError, match=match):
         validate_messages(messages)
@@ -129,14 +135,17 @@ def test_bad_conversations_are_refused(messages, match):
 def test_bad_jsonl_lines_name_file_and_line_or_are_skipped(tmp_path):
     p = tmp_path / "d.jsonl"
     good = json.dumps({"messages": [U1, A1]}, ensure_ascii=False)
-    p.write_text("\n".join([good, "{not json", good, json.dumps({"messages": [U1]}), "", good]) + "\n",
-                 encoding="utf-8")
+    p.write_text(
+        "\n".join([good, "{not json", good, json.dumps({"messages": [U1]}), "", good]) + "\n", encoding="utf-8"
+    )
     with pytest.raises(ChatFormatError, match=r"d.jsonl:2: malformed JSON.*--on-bad-line skip"):
         read_chat_jsonl(str(p))
     convs, skipped = read_chat_jsonl(str(p), on_bad_line="skip")
     assert len(convs) == 3 and len(skipped) == 2
-    assert skipped[0].endswith("d.jsonl:2: malformed JSON (Expecting property name enclosed in double quotes "
-                               "at column 2)") and "d.jsonl:4: conversation has no assistant turn" in skipped[1]
+    assert (
+        skipped[0].endswith("d.jsonl:2: malformed JSON (Expecting property name enclosed in double quotes at column 2)")
+        and "d.jsonl:4: conversation has no assistant turn" in skipped[1]
+    )
     with pytest.raises(FileNotFoundError, match="chat data not found"):
         read_chat_jsonl(str(tmp_path / "nope.jsonl"))
 

@@ -21,10 +21,9 @@ mapping = pytest.importorskip("sagemaker_training.mapping")
 environment = pytest.importorskip("sagemaker_training.environment")
 pytest.importorskip("moto")
 
-from test_sagemaker import BUCKET, ROLE, aws, project  # noqa: E402,F401,F811  (mocked AWS, a checkout)
+from conftest import BUCKET, ROLE  # noqa: E402  (the mocked account conftest's aws fixture sets up)
 
-STAGES = [("tokenize", "train"), ("tokenize", "report"), ("tokenize", "encode"), ("train", None),
-          ("finetune", None)]
+STAGES = [("tokenize", "train"), ("tokenize", "report"), ("tokenize", "encode"), ("train", None), ("finetune", None)]
 
 
 def other_value(f: dataclasses.Field):
@@ -82,8 +81,14 @@ def toolkit_argv(hyperparameters: dict[str, str], tmp_path, monkeypatch) -> list
 
 
 @pytest.mark.parametrize("stage, command", STAGES)
-def test_every_config_field_survives_launcher_toolkit_and_script_parser(stage, command, aws, project,  # noqa: F811
-                                                                        tmp_path, monkeypatch):
+def test_every_config_field_survives_launcher_toolkit_and_script_parser(
+    stage,
+    command,
+    aws,
+    project,
+    tmp_path,
+    monkeypatch,
+):
     from minilm_az import sagemaker as sm
 
     cls = sm.STAGES[stage].configs[command]
@@ -114,15 +119,18 @@ def test_false_booleans_and_sagemaker_spellings_parse_alike():
         assert cfg.merge is True, spelling
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["finetune", "--model", "s3://b/m/", "--data", "s3://b/d/", "--r", "16"], "unrecognized arguments: -r 16"),
-    (["finetune", "--model", "s3://b/m/", "--data", "s3://b/d/", "--lora-rank", "16"], "--lora-rank"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--stepz", "5"], "--stepz"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--ac", "most"], "invalid choice: 'most'"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--global-batch", "0"], "--global-batch must be >= 1"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--out", "/tmp/x"], "--out is set by the launcher"),
-    (["tokenize", "train", "--corpus", "s3://b/c/", "--tokenizer", "s3://b/t/"], "takes no --tokenizer"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["finetune", "--model", "s3://b/m/", "--data", "s3://b/d/", "--r", "16"], "unrecognized arguments: -r 16"),
+        (["finetune", "--model", "s3://b/m/", "--data", "s3://b/d/", "--lora-rank", "16"], "--lora-rank"),
+        (["train", "--phase", "2", "--data", "s3://b/d/", "--stepz", "5"], "--stepz"),
+        (["train", "--phase", "2", "--data", "s3://b/d/", "--ac", "most"], "invalid choice: 'most'"),
+        (["train", "--phase", "2", "--data", "s3://b/d/", "--global-batch", "0"], "--global-batch must be >= 1"),
+        (["train", "--phase", "2", "--data", "s3://b/d/", "--out", "/tmp/x"], "--out is set by the launcher"),
+        (["tokenize", "train", "--corpus", "s3://b/c/", "--tokenizer", "s3://b/t/"], "takes no --tokenizer"),
+    ],
+)
 def test_a_flag_the_script_would_refuse_is_refused_at_launch(argv, msg, capsys):
     from minilm_az import sagemaker as sm
 

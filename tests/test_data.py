@@ -33,8 +33,8 @@ def test_batches_are_windows_of_the_stream_with_targets_shifted_by_one(stream):
         assert x.shape == y.shape == (4, 16)
         for xi, yi in zip(x, y):
             o = int(next(starts))
-            np.testing.assert_array_equal(xi, everything[o:o + 16])
-            np.testing.assert_array_equal(yi, everything[o + 1:o + 17])
+            np.testing.assert_array_equal(xi, everything[o : o + 16])
+            np.testing.assert_array_equal(yi, everything[o + 1 : o + 17])
 
 
 def test_a_step_is_a_pure_function_of_seed_and_step(stream):
@@ -63,8 +63,10 @@ def test_rank_slices_concatenate_to_the_one_process_sequences(stream):
 
 @pytest.mark.parametrize("global_batch, micro_batch, world", [(10, 4, 1), (8, 2, 3), (6, 4, 2)])
 def test_a_global_batch_that_does_not_divide_is_refused(stream, global_batch, micro_batch, world):
-    with pytest.raises(ValueError, match=f"--global-batch {global_batch} is not divisible by --micro-batch "
-                                         f"{micro_batch} x {world} processes"):
+    with pytest.raises(
+        ValueError,
+        match=f"--global-batch {global_batch} is not divisible by --micro-batch {micro_batch} x {world} processes",
+    ):
         BatchStream(stream, 16, global_batch, micro_batch, world_size=world)
 
 

@@ -18,9 +18,30 @@ from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, VAL = os.path.join(ROOT, "data/chat/az_chat.jsonl"), os.path.join(ROOT, "data/chat/az_chat_val.jsonl")
-ARGS = ["--data", TRAIN, "--val-data", VAL, "--steps", "4", "--global-batch", "8", "--micro-batch", "2",
-        "--lora-r", "8", "--lora-dropout", "0", "--lr", "3e-3", "--warmup", "1", "--log-every", "1",
-        "--eval-every", "2"]
+ARGS = [
+    "--data",
+    TRAIN,
+    "--val-data",
+    VAL,
+    "--steps",
+    "4",
+    "--global-batch",
+    "8",
+    "--micro-batch",
+    "2",
+    "--lora-r",
+    "8",
+    "--lora-dropout",
+    "0",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "1",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "2",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
@@ -106,14 +127,28 @@ def test_log_has_loss_lr_throughput_and_val_loss_falls(run1):
 
 def test_torchrun_two_processes_equal_one(base, run1, tmp_path):
     out = str(tmp_path / "sft2")
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "finetune.py",
-          "--model", base, "--out", out, *ARGS])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "finetune.py",
+            "--model",
+            base,
+            "--out",
+            out,
+            *ARGS,
+        ]
+    )
     one, two = _records(run1, "finetune"), _records(out, "finetune")
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
     assert abs(_records(run1, "eval")[-1]["val_loss"] - _records(out, "eval")[-1]["val_loss"]) < 1e-4
     from safetensors.torch import load_file
+
     wa, wb = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (run1, out))
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
@@ -123,8 +158,24 @@ def test_bad_data_names_file_and_line_or_is_skipped(base, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     good = open(TRAIN, encoding="utf-8").readline()
     bad.write_text(good * 10 + '{"messages": [{"role": "robot", "content": "salam"}]}\n', encoding="utf-8")
-    common = ["--model", base, "--data", str(bad), "--val-fraction", "0", "--steps", "1", "--global-batch", "2",
-              "--micro-batch", "2", "--lora-r", "2", "--out", str(tmp_path / "o")]
+    common = [
+        "--model",
+        base,
+        "--data",
+        str(bad),
+        "--val-fraction",
+        "0",
+        "--steps",
+        "1",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "2",
+        "--lora-r",
+        "2",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert finetune.main(common) == 2
     assert "bad.jsonl:11: message 0: unknown role 'robot'" in capsys.readouterr().err
     assert finetune.main(common + ["--on-bad-line", "skip"]) == 0
@@ -137,16 +188,21 @@ def test_bad_data_names_file_and_line_or_is_skipped(base, tmp_path, capsys):
 
 def test_adapter_for_another_base_is_refused(base, run1, tmp_path, capsys):
     other = str(tmp_path / "other")
-    cfg = ModelConfig(**{**get_preset("tiny", vocab_size=load_tokenizer(base).get_vocab_size()).to_dict(),
-                         "ffn_dim": 256})
+    cfg = ModelConfig(
+        **{**get_preset("tiny", vocab_size=load_tokenizer(base).get_vocab_size()).to_dict(), "ffn_dim": 256}
+    )
     save_pretrained(build_model(cfg), other)
     assert finetune.main(["--model", other, "--tokenizer", base, "--adapter", run1, "--prompt", "Salam"]) == 2
     assert "different base model" in capsys.readouterr().err
 
 
 def test_prompt_mode_replies_like_generate(base, run1, capsys):
-    assert finetune.main(["--model", base, "--adapter", run1, "--prompt", "Salam!", "--max-new-tokens", "6",
-                          "--temperature", "0"]) == 0
+    assert (
+        finetune.main(
+            ["--model", base, "--adapter", run1, "--prompt", "Salam!", "--max-new-tokens", "6", "--temperature", "0"]
+        )
+        == 0
+    )
     reply = capsys.readouterr().out.rstrip("\n")
     model = load_pretrained(base)
     load_adapter(model, run1)
@@ -162,8 +218,12 @@ def test_flags_accept_sagemaker_strings_and_channels(monkeypatch, tmp_path):
     monkeypatch.setenv("SM_CHANNEL_VAL_DATA", "/opt/ml/input/data/val_data")
     monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
     a = finetune.parse_args(["--merge", "false", "--liger", "True", "--last-turn-only", "--no-compile"])
-    assert (a.model, a.data, a.val_data, a.out) == (str(model), "/opt/ml/input/data/data",
-                                                    "/opt/ml/input/data/val_data", "/opt/ml/model")
+    assert (a.model, a.data, a.val_data, a.out) == (
+        str(model),
+        "/opt/ml/input/data/data",
+        "/opt/ml/input/data/val_data",
+        "/opt/ml/model",
+    )
     assert a.merge is False and a.liger is True and a.last_turn_only is True and a.compile is False
     assert (a.lora_r, a.lora_alpha, a.lora_dropout, a.max_seq_len) == (64, 28, 0.05, 1024)
     with pytest.raises(SystemExit):

@@ -38,7 +38,7 @@ def test_stops_at_stop_id_and_respects_max_seq_len(model):
     prompt = [0, 2, 100, 98]
     free = generate_ids(model, prompt, max_new_tokens=12, temperature=0)
     stop = free[5]
-    assert generate_ids(model, prompt, 12, temperature=0, stop_ids=(stop,)) == free[:free.index(stop)]
+    assert generate_ids(model, prompt, 12, temperature=0, stop_ids=(stop,)) == free[: free.index(stop)]
     with pytest.raises(ValueError, match="leaves no room"):
         generate_ids(model, list(range(model.config.max_seq_len)), 4)
 
@@ -61,6 +61,7 @@ def test_generate_applies_the_template_and_returns_text(model, tok):
     assert prompt[-1] == tok.encode("\n\n", add_special_tokens=False).ids[-1]  # ends with the assistant header
     stop = (tok.token_to_id(EOT), tok.token_to_id(EOS))
     greedy = generate_ids(model, prompt, 8, temperature=0, stop_ids=stop)
-    assert generate(model, tok, messages, max_new_tokens=8, temperature=0) == \
-        tok.decode(greedy, skip_special_tokens=True)
+    assert generate(model, tok, messages, max_new_tokens=8, temperature=0) == tok.decode(
+        greedy, skip_special_tokens=True
+    )
     assert model.training is False

@@ -27,6 +27,7 @@ def liger():
 @pytest.fixture(scope="module")
 def group():
     from minilm_az import parallel
+
     os.environ.setdefault("MASTER_PORT", "29611")
     return parallel.setup("cuda")
 
@@ -35,8 +36,9 @@ def _grads(fn, *xs):
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
     out = fn(*xs)
     outs = out if isinstance(out, tuple) else (out,)
-    loss = sum((o.float() * torch.randn_like(o.float(), generator=torch.Generator(DEV).manual_seed(9))).sum()
-               for o in outs)
+    loss = sum(
+        (o.float() * torch.randn_like(o.float(), generator=torch.Generator(DEV).manual_seed(9))).sum() for o in outs
+    )
     loss.backward()
     return outs, [x.grad for x in xs if x.grad is not None]
 
@@ -49,8 +51,10 @@ def _close(a, b, **tol):
 def test_liger_rms_norm_matches_torch(liger):
     x = torch.randn(4, 256, 2048, device=DEV, dtype=torch.bfloat16)
     w = 1 + 0.1 * torch.randn(2048, device=DEV, dtype=torch.bfloat16)
-    (a, ga), (b, gb) = _grads(lambda x, w: liger.rms_norm(x, w, 1e-5), x, w), \
-        _grads(lambda x, w: kernels.rms_norm(x, w, 1e-5), x, w)
+    (a, ga), (b, gb) = (
+        _grads(lambda x, w: liger.rms_norm(x, w, 1e-5), x, w),
+        _grads(lambda x, w: kernels.rms_norm(x, w, 1e-5), x, w),
+    )
     _close(a, b)
     _close(ga[:1], gb[:1])
     torch.testing.assert_close(ga[1].float(), gb[1].float(), atol=1.0, rtol=2e-2)  # a sum over 1024 rows
@@ -70,19 +74,32 @@ def test_liger_flce_matches_chunked_torch(liger, reduction):
     w = 0.02 * torch.randn(100_352, 2048, device=DEV, dtype=torch.bfloat16)
     t = torch.randint(0, 100_352, (2048,), device=DEV)
     t[::7] = -100
-    (a, ga), (b, gb) = _grads(lambda h, w: liger.linear_cross_entropy(h, w, t, reduction=reduction), h, w), \
-        _grads(lambda h, w: kernels.chunked_linear_cross_entropy(h, w, t, reduction=reduction), h, w)
+    (a, ga), (b, gb) = (
+        _grads(lambda h, w: liger.linear_cross_entropy(h, w, t, reduction=reduction), h, w),
+        _grads(lambda h, w: kernels.chunked_linear_cross_entropy(h, w, t, reduction=reduction), h, w),
+    )
     torch.testing.assert_close(a[0].float(), b[0].float(), rtol=1e-3, atol=1e-2)
     for x, y in zip(ga, gb, strict=True):  # relative to the gradient's own scale
         assert (x.float() - y.float()).norm() / y.float().norm() < 2e-2
 
 
-TINY = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=4096, rope_theta=500000.0,
-                   rope_factor=32.0, tie_embeddings=True, max_seq_len=512)
+TINY = ModelConfig(
+    dim=256,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=768,
+    vocab_size=4096,
+    rope_theta=500000.0,
+    rope_factor=32.0,
+    tie_embeddings=True,
+    max_seq_len=512,
+)
 
 
 def _sharded(ops, seed=0):
     from minilm_az import parallel
+
     m = meta_model(TINY, ops)
     parallel.parallelize(m, mixed_precision=True)
     return materialize(m, DEV, seed=seed)
@@ -125,20 +142,24 @@ def test_training_steps_with_and_without_liger_reach_same_loss(liger, group):
 def test_liger_rope_matches_torch(liger):
     # In the layout the model gives it: (B, T, H, hd) projections viewed as (B, H, T, hd); forward and grads.
     from minilm_az.model import rope_inv_freq
+
     t = torch.arange(512, device=DEV, dtype=torch.float32)
     f = torch.outer(t, rope_inv_freq(ModelConfig(), DEV))
     emb = torch.cat((f, f), -1)
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     q = torch.randn(2, 512, 32, 64, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(2, 512, 8, 64, device=DEV, dtype=torch.bfloat16)
-    (a, ga), (b, gb) = _grads(lambda q, k: liger.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin), q, k), \
-        _grads(lambda q, k: kernels.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin), q, k)
+    (a, ga), (b, gb) = (
+        _grads(lambda q, k: liger.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin), q, k),
+        _grads(lambda q, k: kernels.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin), q, k),
+    )
     _close(a, b)
     _close(ga, gb)
 
 
 def test_model_logits_with_liger_match_torch_ops(liger):
     from minilm_az.model import build_model
+
     x = torch.randint(0, TINY.vocab_size, (2, 200), device=DEV)
     ref = build_model(TINY, DEV, seed=3).to(torch.bfloat16)
     fused = build_model(TINY, DEV, seed=3, ops=liger).to(torch.bfloat16)

@@ -24,8 +24,18 @@ from minilm_az.lora import (
 )
 from minilm_az.model import ModelConfig, build_model, get_preset, meta_model
 
-CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320,
-                  rope_theta=500000.0, rope_factor=8.0, rope_original_max_seq_len=32, max_seq_len=256)
+CFG = ModelConfig(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=128,
+    vocab_size=320,
+    rope_theta=500000.0,
+    rope_factor=8.0,
+    rope_original_max_seq_len=32,
+    max_seq_len=256,
+)
 
 
 def _layer(r=4, alpha=8.0, dropout=0.0, seed=0):
@@ -50,7 +60,7 @@ def test_lora_linear_equals_base_at_init():
     x = torch.randn(3, 5, 12)
     assert layer.lora_A.shape == (4, 12) and layer.lora_B.shape == (10, 4)
     assert torch.count_nonzero(layer.lora_A) > 0 and torch.count_nonzero(layer.lora_B) == 0
-    assert layer.lora_A.abs().max() <= 1 / 12 ** 0.5  # kaiming-uniform(a=sqrt 5): bound 1/sqrt(in)
+    assert layer.lora_A.abs().max() <= 1 / 12**0.5  # kaiming-uniform(a=sqrt 5): bound 1/sqrt(in)
     assert torch.equal(layer(x), base(x))
 
 
@@ -160,8 +170,11 @@ def test_adapter_is_peft_format_and_peft_gives_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = _adapted(tmp_path)
     save_adapter(model, str(tmp_path / "adapter"), base_model_name_or_path=str(tmp_path / "base"))
-    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors",
-                                                        "minilm-az-output.json"]
+    assert sorted(os.listdir(tmp_path / "adapter")) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "minilm-az-output.json",
+    ]
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 28 and sorted(cfg["target_modules"]) == sorted(TARGETS)
     keys = set(lora_state_dict(model))

@@ -9,12 +9,31 @@ from minilm_az.model import KVCache, Llama, ModelConfig, build_model, get_preset
 transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
-    "gqa-tied-llama3rope": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=300,
-                                       rope_theta=500000.0, rope_factor=32.0, rope_original_max_seq_len=16,
-                                       tie_embeddings=True, max_seq_len=128),
-    "mha-untied-plainrope": ModelConfig(dim=48, n_layers=3, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=257,
-                                        rope_theta=10000.0, rope_factor=None, tie_embeddings=False,
-                                        max_seq_len=64),
+    "gqa-tied-llama3rope": ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=160,
+        vocab_size=300,
+        rope_theta=500000.0,
+        rope_factor=32.0,
+        rope_original_max_seq_len=16,
+        tie_embeddings=True,
+        max_seq_len=128,
+    ),
+    "mha-untied-plainrope": ModelConfig(
+        dim=48,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=96,
+        vocab_size=257,
+        rope_theta=10000.0,
+        rope_factor=None,
+        tie_embeddings=False,
+        max_seq_len=64,
+    ),
 }
 
 
@@ -22,8 +41,13 @@ def hf_twin(model: Llama):
     """A transformers LlamaForCausalLM with our config and a copy of our weights."""
     from minilm_az.checkpoint import config_to_hf
 
-    cfg = transformers.LlamaConfig(**{k: v for k, v in config_to_hf(model.config, torch.float32).items()
-                                      if k not in ("architectures", "model_type", "torch_dtype")})
+    cfg = transformers.LlamaConfig(
+        **{
+            k: v
+            for k, v in config_to_hf(model.config, torch.float32).items()
+            if k not in ("architectures", "model_type", "torch_dtype")
+        }
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -46,6 +70,7 @@ def test_logits_match_transformers(name):
 def test_llama3_rope_scaling_changes_frequencies():
     # With original context 16 the scaling touches most frequencies; a wrong formula would not match HF above.
     from minilm_az.model import rope_inv_freq
+
     cfg = CONFIGS["gqa-tied-llama3rope"]
     plain = rope_inv_freq(ModelConfig(**{**cfg.to_dict(), "rope_factor": None}))
     scaled = rope_inv_freq(cfg)
@@ -101,6 +126,7 @@ def test_sum_reduction_is_total_nll():
 
 def test_meta_build_allocates_nothing_until_materialised():
     from minilm_az.model import meta_model
+
     m = meta_model(get_preset("llama3.2-1b"))
     assert all(p.is_meta for p in m.parameters())
     assert m.lm_head.weight is m.model.embed_tokens.weight
@@ -115,7 +141,7 @@ def test_kv_cache_decoding_matches_full_forward():
         full = model(ids)
         cache = KVCache(model.config, 1, 32, "cpu", torch.float32)
         first = model(ids[:, :12], cache=cache, pos=0)
-        steps = [model(ids[:, i:i + 1], cache=cache, pos=i) for i in range(12, 16)]
+        steps = [model(ids[:, i : i + 1], cache=cache, pos=i) for i in range(12, 16)]
         chunk = model(ids[:, 16:], cache=cache, pos=16)  # a multi-token chunk on a non-empty cache
     got = torch.cat([first] + steps + [chunk], dim=1)
     assert (got - full).abs().max() < 1e-5

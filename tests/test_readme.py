@@ -45,8 +45,14 @@ def test_the_cpu_block_runs_as_written_on_a_demo_run(quick_demo, tmp_path):
     script = cpu_block().replace("runs/demo/", quick_demo + "/").replace("runs/try/", str(tmp_path) + "/")
     assert "runs/" not in script
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python`: this interpreter (a venv's)
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path})
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fertility" in r.stdout or "tokens_per_word" in r.stdout
     assert re.search(r"^eval step=0 val_loss=\S+ val_bpb=\S+", r.stdout, re.M)  # --eval-only's line

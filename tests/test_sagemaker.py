@@ -16,13 +16,12 @@ import sys
 import tarfile
 
 import pytest
+from conftest import BUCKET, ROLE  # the mocked account the aws fixture sets up
 
 from minilm_az import sagemaker as sm
 from minilm_az.logs import format_line
 
 ROOT = sm.PROJECT_ROOT
-ROLE = "arn:aws:iam::123456789012:role/minilm-az-sagemaker"
-BUCKET = "minilm-az-test"
 TRAIN_SCRIPT, TOKENIZE_SCRIPT = sm.STAGES["train"].script, sm.STAGES["tokenize"].script
 
 
@@ -34,16 +33,33 @@ def regex(name: str, metrics=sm.TRAIN_METRICS) -> re.Pattern:
 # Metric regexes against lines written by minilm_az.logs
 
 
-TRAIN_LINE = format_line("train", step=120, loss=3.4172, lr=2.4e-05, grad_norm=0.812, tokens_per_s=71234,
-                         tokens_per_s_per_gpu=8904.2, mfu=55.31, peak_mem_gib=27.4, eta="1:02:03")
+TRAIN_LINE = format_line(
+    "train",
+    step=120,
+    loss=3.4172,
+    lr=2.4e-05,
+    grad_norm=0.812,
+    tokens_per_s=71234,
+    tokens_per_s_per_gpu=8904.2,
+    mfu=55.31,
+    peak_mem_gib=27.4,
+    eta="1:02:03",
+)
 EVAL_LINE = format_line("eval", step=120, val_loss=2.31, val_bpb=0.5795)
 FINETUNE_LINE = format_line("finetune", step=10, loss=1.23, lr=0.0002, tokens_per_s=1234)
 
 
 def test_train_metric_regexes_pick_each_value_out_of_a_log_line():
     assert "lr=2.4000e-05" in TRAIN_LINE  # the exponent form is what the regexes must survive
-    want = {"train:loss": 3.4172, "train:lr": 2.4e-05, "train:grad_norm": 0.812, "train:tokens_per_s": 71234,
-            "train:tokens_per_s_per_gpu": 8904.2, "train:mfu": 55.31, "train:peak_mem_gib": 27.4}
+    want = {
+        "train:loss": 3.4172,
+        "train:lr": 2.4e-05,
+        "train:grad_norm": 0.812,
+        "train:tokens_per_s": 71234,
+        "train:tokens_per_s_per_gpu": 8904.2,
+        "train:mfu": 55.31,
+        "train:peak_mem_gib": 27.4,
+    }
     for name, value in want.items():
         m = regex(name).search(TRAIN_LINE)
         assert m and float(m.group(1)) == pytest.approx(value), name
@@ -75,34 +91,73 @@ def test_finetune_metric_regexes_match_finetune_and_eval_lines():
 
 
 def test_script_flags_become_hyperparameters_with_dashed_keys():
-    hps = sm.parse_passthrough(["--steps", "100", "--lr=3e-4", "--compile", "--no-liger", "--micro_batch", "4",
-                                "--ac", "selective", "--seed", "-1"])
-    assert hps == {"steps": 100, "lr": "3e-4", "compile": "true", "liger": "false", "micro-batch": 4,
-                   "ac": "selective", "seed": -1}
+    hps = sm.parse_passthrough(
+        [
+            "--steps",
+            "100",
+            "--lr=3e-4",
+            "--compile",
+            "--no-liger",
+            "--micro_batch",
+            "4",
+            "--ac",
+            "selective",
+            "--seed",
+            "-1",
+        ]
+    )
+    assert hps == {
+        "steps": 100,
+        "lr": "3e-4",
+        "compile": "true",
+        "liger": "false",
+        "micro-batch": 4,
+        "ac": "selective",
+        "seed": -1,
+    }
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["stray"], "unexpected argument"),
-    (["--corpus", "a", "b"], "more than one value"),
-    (["--sagemaker_program", "x.py"], "reserved"),
-    (["--minilm-script", "x.py"], "reserved"),
-    (["--steps", "1", "--steps", "2"], "twice"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["stray"], "unexpected argument"),
+        (["--corpus", "a", "b"], "more than one value"),
+        (["--sagemaker_program", "x.py"], "reserved"),
+        (["--minilm-script", "x.py"], "reserved"),
+        (["--steps", "1", "--steps", "2"], "twice"),
+    ],
+)
 def test_script_flags_that_a_hyperparameter_cannot_carry_are_refused(argv, msg):
     with pytest.raises(ValueError, match=msg):
         sm.parse_passthrough(argv)
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["train", "--phase", "2", "--data", "/local/shards"], "not an s3:// URI"),
-    (["train", "--phase", "2"], "--data"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--max-wait-hours", "48"], "only applies with --spot"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--spot", "--max-run-hours", "10", "--max-wait-hours", "5"],
-     "at least --max-run-hours"),
-    (["train", "--phase", "2", "--data", "s3://b/d/", "--instance-type", "ml.m5.xlarge"], "needs a GPU instance"),
-    (["finetune", "--model", "s3://b/m/", "--data", "s3://b/sft/", "--instance-count", "2"], "without --torchrun"),
-    (["tokenize", "--corpus", "s3://b/c/"], "invalid choice|required"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["train", "--phase", "2", "--data", "/local/shards"], "not an s3:// URI"),
+        (["train", "--phase", "2"], "--data"),
+        (["train", "--phase", "2", "--data", "s3://b/d/", "--max-wait-hours", "48"], "only applies with --spot"),
+        (
+            [
+                "train",
+                "--phase",
+                "2",
+                "--data",
+                "s3://b/d/",
+                "--spot",
+                "--max-run-hours",
+                "10",
+                "--max-wait-hours",
+                "5",
+            ],
+            "at least --max-run-hours",
+        ),
+        (["train", "--phase", "2", "--data", "s3://b/d/", "--instance-type", "ml.m5.xlarge"], "needs a GPU instance"),
+        (["finetune", "--model", "s3://b/m/", "--data", "s3://b/sft/", "--instance-count", "2"], "without --torchrun"),
+        (["tokenize", "--corpus", "s3://b/c/"], "invalid choice|required"),
+    ],
+)
 def test_bad_launch_flags_stop_before_anything_is_sent(argv, msg, capsys):
     with pytest.raises(SystemExit):
         sm.parse_args(argv)
@@ -115,20 +170,59 @@ def _as_sent(hps: dict) -> dict:
 
 
 def test_container_argv_is_sorted_flags_with_plain_values():
-    args = sm.parse_args(["train", "--phase", "2", "--data", "s3://b/d/", "--steps", "100", "--lr", "3e-4",
-                          "--compile", "--micro-batch", "4"])
+    args = sm.parse_args(
+        [
+            "train",
+            "--phase",
+            "2",
+            "--data",
+            "s3://b/d/",
+            "--steps",
+            "100",
+            "--lr",
+            "3e-4",
+            "--compile",
+            "--micro-batch",
+            "4",
+        ]
+    )
     plan = sm.plan_job(args, bucket=BUCKET, role=ROLE)
     sent = _as_sent(plan.hyperparameters) | {"sagemaker_program": '"train.py"'}
-    assert sm.container_args(sent) == ["--checkpoint-dir", "/opt/ml/checkpoints", "--compile", "true",
-                                       "--data", "/opt/ml/input/data/data", "--lr", "3e-4", "--micro-batch", "4",
-                                       "--out", "/opt/ml/model", "--phase", "2", "--steps", "100"]
+    assert sm.container_args(sent) == [
+        "--checkpoint-dir",
+        "/opt/ml/checkpoints",
+        "--compile",
+        "true",
+        "--data",
+        "/opt/ml/input/data/data",
+        "--lr",
+        "3e-4",
+        "--micro-batch",
+        "4",
+        "--out",
+        "/opt/ml/model",
+        "--phase",
+        "2",
+        "--steps",
+        "100",
+    ]
 
 
 def test_sm_entry_moves_the_subcommand_in_front():
-    argv = sm.container_args(_as_sent({sm.COMMAND_KEY: "encode", sm.SCRIPT_KEY: "tokenize.py",
-                                       "vocab-size": 32000, "corpus": "/opt/ml/input/data/corpus"}))
-    assert sm.entry_argv(argv) == ("tokenize.py", ["encode", "--corpus", "/opt/ml/input/data/corpus",
-                                                   "--vocab-size", "32000"])
+    argv = sm.container_args(
+        _as_sent(
+            {
+                sm.COMMAND_KEY: "encode",
+                sm.SCRIPT_KEY: "tokenize.py",
+                "vocab-size": 32000,
+                "corpus": "/opt/ml/input/data/corpus",
+            }
+        )
+    )
+    assert sm.entry_argv(argv) == (
+        "tokenize.py",
+        ["encode", "--corpus", "/opt/ml/input/data/corpus", "--vocab-size", "32000"],
+    )
 
 
 def test_sm_entry_runs_the_script_as_main(tmp_path):
@@ -136,17 +230,37 @@ def test_sm_entry_runs_the_script_as_main(tmp_path):
     shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / sm.ENTRY_WRAPPER, root / sm.ENTRY_WRAPPER)
     (root / "stage.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]) if __name__ == '__main__' else 0)")
-    out = subprocess.run([sys.executable, sm.ENTRY_WRAPPER, "--corpus", "/c", "--minilm-command", "train",
-                          "--minilm-script", "stage.py", "--vocab-size", "512"],
-                         cwd=root, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            sm.ENTRY_WRAPPER,
+            "--corpus",
+            "/c",
+            "--minilm-command",
+            "train",
+            "--minilm-script",
+            "stage.py",
+            "--vocab-size",
+            "512",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["train", "--corpus", "/c", "--vocab-size", "512"]
 
 
 def test_sm_entry_runs_the_real_tokenize_py_subcommand():
     # tokenize.py shares its name with the stdlib module that sm_entry.py's imports pull in first
-    out = subprocess.run([sys.executable, sm.ENTRY_WRAPPER, "--minilm-command", "train", "--help",
-                          "--minilm-script", TOKENIZE_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, sm.ENTRY_WRAPPER, "--minilm-command", "train", "--help", "--minilm-script", TOKENIZE_SCRIPT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--vocab-size" in out.stdout
 
@@ -155,69 +269,59 @@ def test_sm_entry_runs_the_real_tokenize_py_subcommand():
 # Against the mocked AWS API
 
 
-@pytest.fixture
-def aws(monkeypatch):
-    """A boto3 session inside moto's mock: fake credentials, a region, no config files, no metadata calls."""
-    pytest.importorskip("sagemaker")
-    moto = pytest.importorskip("moto")
-    import boto3
-
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent",
-                 "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "SAGEMAKER_SUPPRESS_V2_WARNING": "1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    with moto.mock_aws():
-        session = boto3.Session(region_name="us-east-1")
-        session.client("s3").create_bucket(Bucket=BUCKET)
-        yield session
-
-
-@pytest.fixture
-def project(tmp_path):
-    """A copy of the checkout, with stand-ins for root scripts not written yet, plus junk to leave behind."""
-    root = tmp_path / "checkout"
-    shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))
-    for f in [*ROOT.glob("*.py"), *(ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md",
-                                                       sm.REQUIREMENTS_FILE))]:
-        if f.is_file():
-            shutil.copy2(f, root / f.name)
-    (root / "tests").mkdir()
-    (root / "tests" / "test_x.py").write_text("")
-    for stage in sm.STAGES.values():
-        if not (root / stage.script).exists():
-            (root / stage.script).write_text("raise SystemExit('stand-in')\n")
-    (root / "runs" / "old").mkdir(parents=True)
-    (root / "runs" / "old" / "model.safetensors").write_bytes(b"\0" * 1024)
-    return root
-
-
 def launch(aws, project, argv):
     return sm.launch(sm.parse_args(argv + ["--role", ROLE, "--bucket", BUCKET]), boto_session=aws, root=project)
 
 
 def uploaded_source(aws, request) -> tarfile.TarFile:
     uri = json.loads(request["HyperParameters"]["sagemaker_submit_directory"])
-    bucket, key = uri[len("s3://"):].split("/", 1)
+    bucket, key = uri[len("s3://") :].split("/", 1)
     body = aws.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
     return tarfile.open(fileobj=io.BytesIO(body))
 
 
 def test_train_launch_creates_a_torchrun_job_with_our_settings(aws, project):
-    launched = launch(aws, project, [
-        "train", "--phase", "2", "--instance-type", "ml.p5.48xlarge", "--instance-count", "2", "--spot",
-        "--max-run-hours", "48", "--data", "s3://corp/shards/", "--base-model", "s3://corp/p1/model/",
-        "--tokenizer", "s3://corp/tok/", "--steps", "20000", "--micro-batch", "4", "--compile",
-        "--env", "NCCL_DEBUG=WARN"])
+    launched = launch(
+        aws,
+        project,
+        [
+            "train",
+            "--phase",
+            "2",
+            "--instance-type",
+            "ml.p5.48xlarge",
+            "--instance-count",
+            "2",
+            "--spot",
+            "--max-run-hours",
+            "48",
+            "--data",
+            "s3://corp/shards/",
+            "--base-model",
+            "s3://corp/p1/model/",
+            "--tokenizer",
+            "s3://corp/tok/",
+            "--steps",
+            "20000",
+            "--micro-batch",
+            "4",
+            "--compile",
+            "--env",
+            "NCCL_DEBUG=WARN",
+        ],
+    )
     job = aws.client("sagemaker").describe_training_job(TrainingJobName=launched.job_name)
     assert job["AlgorithmSpecification"]["TrainingImage"].endswith("/pytorch-training:2.8.0-gpu-py312")
     assert job["ResourceConfig"] == {"InstanceType": "ml.p5.48xlarge", "InstanceCount": 2, "VolumeSizeInGB": 100}
     hps = job["HyperParameters"]
     assert hps["sagemaker_torch_distributed_enabled"] == "true"
     assert json.loads(hps["sagemaker_program"]) == TRAIN_SCRIPT
-    assert {k: hps[k] for k in ("phase", "steps", "micro-batch", "compile")} == \
-        {"phase": "2", "steps": "20000", "micro-batch": "4", "compile": '"true"'}
+    assert {k: hps[k] for k in ("phase", "steps", "micro-batch", "compile")} == {
+        "phase": "2",
+        "steps": "20000",
+        "micro-batch": "4",
+        "compile": '"true"',
+    }
     channels = {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in job["InputDataConfig"]}
     assert channels == {"data": "s3://corp/shards/", "base_model": "s3://corp/p1/model/", "tokenizer": "s3://corp/tok/"}
     ckpt = f"s3://{BUCKET}/minilm-az/checkpoints/{launched.job_name}/"
@@ -237,8 +341,14 @@ def test_train_launch_creates_a_torchrun_job_with_our_settings(aws, project):
 def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, project):
     launched = launch(aws, project, ["train", "--phase", "1", "--data", "s3://corp/shards/"])
     names = set(uploaded_source(aws, launched.request).getnames())
-    assert {TRAIN_SCRIPT, sm.ENTRY_WRAPPER, "requirements.txt", "setup.cfg", "minilm_az/logs.py",
-            "minilm_az/sagemaker.py"} <= names
+    assert {
+        TRAIN_SCRIPT,
+        sm.ENTRY_WRAPPER,
+        "requirements.txt",
+        "setup.cfg",
+        "minilm_az/logs.py",
+        "minilm_az/sagemaker.py",
+    } <= names
     assert not any(n.startswith(("runs", "tests", ".git")) or "__pycache__" in n for n in names)
     reqs = uploaded_source(aws, launched.request).extractfile("requirements.txt").read().decode()
     lines = [ln.split("#")[0].strip() for ln in reqs.splitlines()]
@@ -247,17 +357,40 @@ def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, proje
 
 
 def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, project):
-    launched = launch(aws, project, ["tokenize", "encode", "--corpus", "s3://corp/text/",
-                                     "--tokenizer", "s3://corp/tok/", "--shard-tokens", "32000"])
+    launched = launch(
+        aws,
+        project,
+        [
+            "tokenize",
+            "encode",
+            "--corpus",
+            "s3://corp/text/",
+            "--tokenizer",
+            "s3://corp/tok/",
+            "--shard-tokens",
+            "32000",
+        ],
+    )
     req = launched.request
     hps = req["HyperParameters"]
     assert json.loads(hps["sagemaker_program"]) == sm.ENTRY_WRAPPER
     assert "sagemaker_torch_distributed_enabled" not in hps
     assert req["AlgorithmSpecification"]["TrainingImage"].endswith("/pytorch-training:2.8.0-cpu-py312")
     assert req["ResourceConfig"]["InstanceType"] == "ml.m5.4xlarge"
-    assert sm.entry_argv(sm.container_args(hps)) == (TOKENIZE_SCRIPT, [
-        "encode", "--corpus", "/opt/ml/input/data/corpus", "--out", "/opt/ml/model",
-        "--shard-tokens", "32000", "--tokenizer", "/opt/ml/input/data/tokenizer"])
+    assert sm.entry_argv(sm.container_args(hps)) == (
+        TOKENIZE_SCRIPT,
+        [
+            "encode",
+            "--corpus",
+            "/opt/ml/input/data/corpus",
+            "--out",
+            "/opt/ml/model",
+            "--shard-tokens",
+            "32000",
+            "--tokenizer",
+            "/opt/ml/input/data/tokenizer",
+        ],
+    )
     assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"corpus", "tokenizer"}
     assert "CheckpointConfig" not in req and "MetricDefinitions" not in req["AlgorithmSpecification"]
     reqs = uploaded_source(aws, req).extractfile("requirements.txt").read().decode()
@@ -265,22 +398,59 @@ def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, projec
 
 
 def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, project):
-    launched = launch(aws, project, ["finetune", "--model", "s3://corp/p2/model/", "--data", "s3://corp/sft/",
-                                     "--val-data", "s3://corp/sft-val/", "--lora-r", "16", "--merge"])
+    launched = launch(
+        aws,
+        project,
+        [
+            "finetune",
+            "--model",
+            "s3://corp/p2/model/",
+            "--data",
+            "s3://corp/sft/",
+            "--val-data",
+            "s3://corp/sft-val/",
+            "--lora-r",
+            "16",
+            "--merge",
+        ],
+    )
     req = launched.request
     assert {c["ChannelName"] for c in req["InputDataConfig"]} == {"model", "data", "val_data"}
     assert req["ResourceConfig"]["InstanceType"] == "ml.g5.2xlarge"
     assert "sagemaker_torch_distributed_enabled" not in req["HyperParameters"]
     assert sm.container_args(req["HyperParameters"]) == [
-        "--data", "/opt/ml/input/data/data", "--lora-r", "16", "--merge", "true", "--model", "/opt/ml/input/data/model",
-        "--out", "/opt/ml/model", "--val-data", "/opt/ml/input/data/val_data"]
+        "--data",
+        "/opt/ml/input/data/data",
+        "--lora-r",
+        "16",
+        "--merge",
+        "true",
+        "--model",
+        "/opt/ml/input/data/model",
+        "--out",
+        "/opt/ml/model",
+        "--val-data",
+        "/opt/ml/input/data/val_data",
+    ]
     assert req["AlgorithmSpecification"]["MetricDefinitions"] == list(sm.FINETUNE_METRICS)
 
 
 def test_relaunch_with_the_same_checkpoint_prefix_resumes_there(aws, project):
     first = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--spot"])
-    again = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--spot",
-                                  "--checkpoint-s3", first.plan.checkpoint_uri])
+    again = launch(
+        aws,
+        project,
+        [
+            "train",
+            "--phase",
+            "2",
+            "--data",
+            "s3://corp/shards/",
+            "--spot",
+            "--checkpoint-s3",
+            first.plan.checkpoint_uri,
+        ],
+    )
     assert again.job_name != first.job_name
     assert again.request["CheckpointConfig"]["S3Uri"] == first.plan.checkpoint_uri
 
@@ -292,8 +462,10 @@ def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch,
     printed = json.loads(out.out)
     assert printed["HyperParameters"]["phase"] == "2"
     assert "dry run, nothing sent: would create training job" in out.err
-    assert "train.py --checkpoint-dir /opt/ml/checkpoints --data /opt/ml/input/data/data --out /opt/ml/model " \
-           "--phase 2 --steps 10" in out.err
+    assert (
+        "train.py --checkpoint-dir /opt/ml/checkpoints --data /opt/ml/input/data/data --out /opt/ml/model "
+        "--phase 2 --steps 10" in out.err
+    )
     assert aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
     assert [b["Name"] for b in aws.client("s3").list_buckets()["Buckets"]] == [BUCKET]
     assert aws.client("s3").list_objects_v2(Bucket=BUCKET).get("KeyCount", 0) == 0
@@ -301,8 +473,11 @@ def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch,
 
 def test_launch_without_a_role_says_how_to_pass_one(aws, project):
     with pytest.raises(SystemExit, match="--role"):
-        sm.launch(sm.parse_args(["train", "--phase", "1", "--data", "s3://corp/shards/", "--bucket", BUCKET]),
-                  boto_session=aws, root=project)
+        sm.launch(
+            sm.parse_args(["train", "--phase", "1", "--data", "s3://corp/shards/", "--bucket", BUCKET]),
+            boto_session=aws,
+            root=project,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,12 +485,14 @@ def test_launch_without_a_role_says_how_to_pass_one(aws, project):
 
 CORPUS = "\n".join(
     f"Azərbaycan dili türk dillərinin oğuz qrupuna daxildir. Bakı şəhəri Xəzər dənizinin sahilindədir {i}."
-    for i in range(400))
+    for i in range(400)
+)
 
 
 def _run(argv, env=None, cwd=None, timeout=300):
-    out = subprocess.run([sys.executable, *map(str, argv)], env=env, cwd=cwd, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, *map(str, argv)], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, f"{argv}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout + out.stderr
 
@@ -329,11 +506,48 @@ def train_log(tmp_path_factory):
     (tmp / "corpus" / "az.txt").write_text(CORPUS, encoding="utf-8")
     tokenize, train = ROOT / TOKENIZE_SCRIPT, ROOT / TRAIN_SCRIPT
     _run([tokenize, "train", "--corpus", tmp / "corpus" / "az.txt", "--vocab-size", "512", "--out", tmp / "tok"])
-    _run([tokenize, "encode", "--corpus", tmp / "corpus" / "az.txt", "--tokenizer", tmp / "tok",
-          "--val-fraction", "0.1", "--out", tmp / "shards"])
-    return _run([train, "--phase", "2", "--data", tmp / "shards", "--tokenizer", tmp / "tok", "--out", tmp / "out",
-                 "--preset", "tiny", "--steps", "4", "--log-every", "1", "--eval-every", "2", "--seq-len", "64",
-                 "--global-batch", "2", "--device", "cpu"], cwd=tmp)
+    _run(
+        [
+            tokenize,
+            "encode",
+            "--corpus",
+            tmp / "corpus" / "az.txt",
+            "--tokenizer",
+            tmp / "tok",
+            "--val-fraction",
+            "0.1",
+            "--out",
+            tmp / "shards",
+        ]
+    )
+    return _run(
+        [
+            train,
+            "--phase",
+            "2",
+            "--data",
+            tmp / "shards",
+            "--tokenizer",
+            tmp / "tok",
+            "--out",
+            tmp / "out",
+            "--preset",
+            "tiny",
+            "--steps",
+            "4",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "2",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "2",
+            "--device",
+            "cpu",
+        ],
+        cwd=tmp,
+    )
 
 
 @pytest.mark.slow
@@ -353,4 +567,8 @@ def test_train_paths_default_to_the_container_dirs_inside_sagemaker(monkeypatch)
     monkeypatch.setenv("SM_CHANNEL_BASE_MODEL", "/opt/ml/input/data/base_model")
     cfg = C.parse_config(C.TrainConfig, C.make_parser(C.TrainConfig, "train.py", "x"), ["--phase", "2"])
     assert (cfg.checkpoint_dir, cfg.out, cfg.data, cfg.base_model) == (
-        sm.CHECKPOINT_LOCAL_PATH, "/opt/ml/model", "/opt/ml/input/data/data", "/opt/ml/input/data/base_model")
+        sm.CHECKPOINT_LOCAL_PATH,
+        "/opt/ml/model",
+        "/opt/ml/input/data/data",
+        "/opt/ml/input/data/base_model",
+    )

@@ -34,20 +34,12 @@ CHAT, CHAT_VAL = ROOT / "data" / "chat" / "az_chat.jsonl", ROOT / "data" / "chat
 
 
 @pytest.fixture
-def aws(monkeypatch):
-    """A boto3 session inside moto's mock of S3 and SageMaker (as tests/test_sagemaker.py sets it up)."""
-    pytest.importorskip("sagemaker")
-    moto = pytest.importorskip("moto")
+def aws(aws):
+    """conftest's moto-mocked boto3 session, where this machine can replay a container at all."""
     why = smc.unavailable()
     if why:
         pytest.skip(why)
-    import boto3
-
-    for k, v in smc.aws_test_env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    with moto.mock_aws():
-        yield boto3.Session(region_name="us-east-1")
+    return aws
 
 
 def replay(aws, argv, tmp_path, inputs=None, root=ROOT, **kw) -> smc.ContainerRun:

@@ -31,24 +31,53 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [str(ROOT / "data" / "az" / f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
 VAL = str(ROOT / "data" / "az" / "firefox.txt")
 # No SageMaker or torchrun variables from the caller: they would change the defaults under test.
-ENV = {k: v for k, v in os.environ.items()
-       if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+}
 ENV["OMP_NUM_THREADS"] = "1"
-SMALL = ["--preset", "tiny", "--seq-len", "64", "--micro-batch", "2", "--global-batch", "4", "--log-every", "1",
-         "--eval-every", "0", "--eval-batches", "2", "--export-dtype", "float32"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--micro-batch",
+    "2",
+    "--global-batch",
+    "4",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--eval-batches",
+    "2",
+    "--export-dtype",
+    "float32",
+]
 STEPS = 10
 
 
 def cmd(*args, nproc: int = 1) -> list[str]:
-    pre = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
+    pre = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
     return [*pre, "train.py", *map(str, args)]
 
 
 def launch(*args, nproc: int = 1) -> subprocess.Popen:
     # A session of its own, so a hung run is killed with all its torchrun workers.
-    return subprocess.Popen(cmd(*args, nproc=nproc), cwd=ROOT, env=ENV, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        cmd(*args, nproc=nproc),
+        cwd=ROOT,
+        env=ENV,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def kill(p: subprocess.Popen) -> None:
@@ -119,6 +148,7 @@ def train_lines(out: Path) -> int:
 
 # ---------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Our tokenizer (1000) and its shards; a base tokenizer (700, another corpus) with a random tiny base
@@ -126,13 +156,24 @@ def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
 
     def tokenize(*args):
-        subprocess.run([sys.executable, "tokenize.py", *args, "--no-progress"], cwd=ROOT, env=ENV, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "tokenize.py", *args, "--no-progress"], cwd=ROOT, env=ENV, check=True, capture_output=True
+        )
+
     tokenize("train", "--corpus", *CORPUS, "--vocab-size", "1000", "--out", d / "tok")
     tokenize("encode", "--tokenizer", d / "tok", "--corpus", *CORPUS, "--val-corpus", VAL, "--out", d / "shards")
     tokenize("train", "--corpus", CORPUS[1], "--vocab-size", "700", "--out", d / "base_tok")
-    tokenize("encode", "--tokenizer", d / "base_tok", "--corpus", CORPUS[2], "--val-corpus", CORPUS[2],
-             "--out", d / "base_shards")
+    tokenize(
+        "encode",
+        "--tokenizer",
+        d / "base_tok",
+        "--corpus",
+        CORPUS[2],
+        "--val-corpus",
+        CORPUS[2],
+        "--out",
+        d / "base_shards",
+    )
     base_vocab = load_tokenizer(str(d / "base_tok")).get_vocab_size(with_added_tokens=True)
     save_pretrained(build_model(get_preset("tiny", vocab_size=base_vocab), seed=5), str(d / "base"))
     copy_tokenizer_files(str(d / "base_tok"), str(d / "base"))
@@ -156,10 +197,26 @@ def assert_losses_match(got: dict[int, float], want: dict[int, float], steps, to
 
 # ---------------------------------------------------------------- the proofs
 
+
 def test_phase1_changes_only_the_embedding(data, tmp_path):
     out = tmp_path / "phase1"
-    r = train("--phase", 1, "--base-model", data / "base", "--base-tokenizer", data / "base", "--tokenizer",
-              data / "tok", "--data", data / "shards", "--out", out, "--steps", 6, *SMALL)
+    r = train(
+        "--phase",
+        1,
+        "--base-model",
+        data / "base",
+        "--base-tokenizer",
+        data / "base",
+        "--tokenizer",
+        data / "tok",
+        "--data",
+        data / "shards",
+        "--out",
+        out,
+        "--steps",
+        6,
+        *SMALL,
+    )
     base, new = weights(data / "base"), weights(out)
     assert sorted(base) == sorted(new) and "lm_head.weight" not in new  # tied stays tied
     for name, t in base.items():
@@ -167,8 +224,12 @@ def test_phase1_changes_only_the_embedding(data, tmp_path):
             assert torch.equal(new[name], t), f"{name} changed in phase 1"
 
     n_tok = load_tokenizer(str(data / "tok")).get_vocab_size(with_added_tokens=True)
-    start, stats = transfer_embedding(base["model.embed_tokens.weight"], load_tokenizer(str(data / "base_tok")),
-                                      load_tokenizer(str(data / "tok")), 1024)
+    start, stats = transfer_embedding(
+        base["model.embed_tokens.weight"],
+        load_tokenizer(str(data / "base_tok")),
+        load_tokenizer(str(data / "tok")),
+        1024,
+    )
     emb = new["model.embed_tokens.weight"]
     assert emb.shape == (1024, 128)  # 1000 ids padded to a multiple of 64
     assert f"vocab_transfer tensor=model.embed_tokens.weight {stats}" in r.stdout
@@ -180,6 +241,7 @@ def test_phase1_changes_only_the_embedding(data, tmp_path):
 
     # Nothing but the embedding has optimizer state.
     import torch.distributed.checkpoint as dcp
+
     meta = dcp.FileSystemReader(str(out / "checkpoints" / "phase1" / "step-00000006")).read_metadata()
     state = {k.rsplit(".", 1)[0] for k in meta.state_dict_metadata if k.startswith("optim.state.")}
     assert state == {"optim.state.model.embed_tokens.weight"}
@@ -187,8 +249,7 @@ def test_phase1_changes_only_the_embedding(data, tmp_path):
 
 def test_two_process_fsdp_matches_one_process(data, reference, tmp_path):
     out = tmp_path / "two"
-    r = train("--tokenizer", data / "tok", "--data", data / "shards", "--out", out, "--steps", STEPS, *SMALL,
-              nproc=2)
+    r = train("--tokenizer", data / "tok", "--data", data / "shards", "--out", out, "--steps", STEPS, *SMALL, nproc=2)
     assert "world=2 micro_batch=2" in r.stdout and "batch accum=1 " in r.stdout
     assert_losses_match(losses(out), losses(reference), range(1, STEPS + 1), tol=1e-5)
     one, two = weights(reference), weights(out)
@@ -199,8 +260,19 @@ def test_two_process_fsdp_matches_one_process(data, reference, tmp_path):
 
 def test_resume_after_sigkill_repeats_the_uninterrupted_losses(data, reference, tmp_path):
     out = tmp_path / "killed"
-    args = ["--tokenizer", data / "tok", "--data", data / "shards", "--out", out, "--steps", STEPS, *SMALL,
-            "--checkpoint-every", 3]
+    args = [
+        "--tokenizer",
+        data / "tok",
+        "--data",
+        data / "shards",
+        "--out",
+        out,
+        "--steps",
+        STEPS,
+        *SMALL,
+        "--checkpoint-every",
+        3,
+    ]
     p = launch(*args)
     ckpt = out / "checkpoints" / "phase2"
     wait_for(lambda: checkpoint_step(ckpt) is not None, p, "the first checkpoint")
@@ -222,8 +294,19 @@ def test_sigterm_on_one_rank_checkpoints_exits_cleanly_and_resumes(data, referen
     """A spot interruption: the signal reaches rank 1 only; both ranks stop after the same step, save, exit 0.
     The resume runs on one process (DCP reshards) and continues the reference's losses."""
     out = tmp_path / "term"
-    args = ["--tokenizer", data / "tok", "--data", data / "shards", "--out", out, "--steps", STEPS, *SMALL,
-            "--checkpoint-every", 0]
+    args = [
+        "--tokenizer",
+        data / "tok",
+        "--data",
+        data / "shards",
+        "--out",
+        out,
+        "--steps",
+        STEPS,
+        *SMALL,
+        "--checkpoint-every",
+        0,
+    ]
     p = launch(*args, nproc=2)
     wait_for(lambda: train_lines(out) >= 2, p, "step 2")
     workers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if parent_of(pid) == p.pid]
@@ -260,6 +343,7 @@ def hf_reference(reference):
 
 def test_export_loads_in_transformers_with_the_same_logits(reference, hf_reference):
     import transformers
+
     hf = hf_reference
     ours = load_pretrained(str(reference)).eval()
     ids = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -274,9 +358,28 @@ def test_eval_only_on_raw_text_prints_val_bpb(reference, hf_reference, tmp_path)
     docs = ["Bakı Azərbaycanın paytaxtı və ən böyük şəhəridir.", "Faylı yadda saxlamaq üçün düyməni basın."]
     text = tmp_path / "eval.txt"
     text.write_text("\n".join(docs) + "\n", encoding="utf-8")
-    r = subprocess.run(cmd("--eval-only", "--base-model", reference, "--tokenizer", reference, "--eval-text", text,
-                           "--seq-len", 256, "--micro-batch", 1, "--out", tmp_path / "eval"),
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        cmd(
+            "--eval-only",
+            "--base-model",
+            reference,
+            "--tokenizer",
+            reference,
+            "--eval-text",
+            text,
+            "--seq-len",
+            256,
+            "--micro-batch",
+            1,
+            "--out",
+            tmp_path / "eval",
+        ),
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("eval "))
     got = dict(kv.split("=", 1) for kv in line.split()[1:])
@@ -298,6 +401,7 @@ def test_eval_only_on_raw_text_prints_val_bpb(reference, hf_reference, tmp_path)
 
 # ---------------------------------------------------------------- bad input: exit 2, one line, nothing lost
 
+
 def bad_cases(d: Path, tmp: Path) -> dict[str, tuple[list, str]]:
     """name -> (train.py arguments, what the one-line error must say)."""
     short = tmp / "short_context"
@@ -310,19 +414,28 @@ def bad_cases(d: Path, tmp: Path) -> dict[str, tuple[list, str]]:
     ok = ["--tokenizer", d / "tok", "--data", d / "shards", "--steps", 4, *SMALL]
     phase1 = ["--phase", 1, "--base-tokenizer", d / "base", *ok]
     return {
-        "shards_of_another_tokenizer": (["--tokenizer", d / "tok", "--data", d / "base_shards", *SMALL],
-                                        "token shards were written with tokenizer"),
-        "missing_data_dir": (["--tokenizer", d / "tok", "--data", tmp / "nowhere", *SMALL],
-                             f"--data {tmp / 'nowhere'}: no such directory"),
-        "seq_len_above_context": ([*phase1, "--base-model", short],
-                                  "--seq-len 64 exceeds the model's context of 32 tokens"),
-        "missing_base_weights": ([*phase1, "--base-model", no_weights],
-                                 f"{no_weights}: no model.safetensors"),
-        "global_batch_does_not_divide": ([*ok, "--global-batch", 5],
-                                         "--global-batch 5 is not a multiple of --micro-batch x processes = 2 x 1"),
+        "shards_of_another_tokenizer": (
+            ["--tokenizer", d / "tok", "--data", d / "base_shards", *SMALL],
+            "token shards were written with tokenizer",
+        ),
+        "missing_data_dir": (
+            ["--tokenizer", d / "tok", "--data", tmp / "nowhere", *SMALL],
+            f"--data {tmp / 'nowhere'}: no such directory",
+        ),
+        "seq_len_above_context": (
+            [*phase1, "--base-model", short],
+            "--seq-len 64 exceeds the model's context of 32 tokens",
+        ),
+        "missing_base_weights": ([*phase1, "--base-model", no_weights], f"{no_weights}: no model.safetensors"),
+        "global_batch_does_not_divide": (
+            [*ok, "--global-batch", 5],
+            "--global-batch 5 is not a multiple of --micro-batch x processes = 2 x 1",
+        ),
         # Adam moves every weight by ~lr: at 1e6 the first update wrecks the model, step 2's grads are not finite.
-        "diverging_loss": ([*ok, "--lr", 1e6, "--warmup", 1, "--checkpoint-every", 1],
-                           "at step 2: stopped before the update; last good checkpoint: "),
+        "diverging_loss": (
+            [*ok, "--lr", 1e6, "--warmup", 1, "--checkpoint-every", 1],
+            "at step 2: stopped before the update; last good checkpoint: ",
+        ),
     }
 
 
@@ -334,8 +447,17 @@ def bad_runs(data, tmp_path_factory):
     return tmp, {name: (finish(p), cases[name][1]) for name, p in procs.items()}
 
 
-@pytest.mark.parametrize("case", ["shards_of_another_tokenizer", "missing_data_dir", "seq_len_above_context",
-                                  "missing_base_weights", "global_batch_does_not_divide", "diverging_loss"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "shards_of_another_tokenizer",
+        "missing_data_dir",
+        "seq_len_above_context",
+        "missing_base_weights",
+        "global_batch_does_not_divide",
+        "diverging_loss",
+    ],
+)
 def test_bad_input_exits_2_with_one_line_naming_the_problem(bad_runs, case):
     _, runs = bad_runs
     r, says = runs[case]

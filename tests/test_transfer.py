@@ -12,8 +12,9 @@ ALPHABET = pre_tokenizers.ByteLevel.alphabet()
 
 
 def byte_level(text: str) -> str:
-    return "".join(s for s, _ in pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-                   .pre_tokenize_str(text))
+    return "".join(
+        s for s, _ in pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)
+    )
 
 
 def hand_tokenizer(merges: list[tuple[str, str]], specials: list[str]) -> Tokenizer:
@@ -32,8 +33,7 @@ def test_hand_case_copies_shared_rows_and_averages_the_base_pieces():
     s = byte_level("ş")  # two bytes, two byte-level characters
     assert len(s) == 2
     base = hand_tokenizer([("Ġ", "b"), ("Ġb", "a"), ("q", "a")], [EOS])
-    new = hand_tokenizer([("Ġ", "b"), ("Ġb", "a"), (s[0], s[1]), ("Ġba", s), ("q", "a"), ("Ġba" + s, "qa")],
-                         [EOS, EOT])
+    new = hand_tokenizer([("Ġ", "b"), ("Ġb", "a"), (s[0], s[1]), ("Ġba", s), ("q", "a"), ("Ġba" + s, "qa")], [EOS, EOT])
     rows = torch.randn(base.get_vocab_size(), 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     out, stats = transfer_embedding(rows.to(torch.bfloat16), base, new, new_vocab_size=new.get_vocab_size() + 3)
     rows = rows.to(torch.bfloat16).float()  # what transfer sees: the base dtype, upcast
@@ -53,17 +53,33 @@ def test_hand_case_copies_shared_rows_and_averages_the_base_pieces():
     assert str(stats) == "copied=260 averaged=3 special_mean=1"
 
 
-DOCS_A = ["Azərbaycan Respublikası Cənubi Qafqazda yerləşir.", "Bakı şəhəri Xəzər dənizinin sahilindədir.",
-          "Dil, tarix və mədəniyyət haqqında məqalələr."] * 20
-DOCS_B = ["Faylı yadda saxla", "Pəncərəni bağla", "Səhifəni yenidən yüklə", "Parametrlər və seçimlər",
-          "Başqa bir fayl seçin", "Qovluğu aç"] * 20
+DOCS_A = [
+    "Azərbaycan Respublikası Cənubi Qafqazda yerləşir.",
+    "Bakı şəhəri Xəzər dənizinin sahilindədir.",
+    "Dil, tarix və mədəniyyət haqqında məqalələr.",
+] * 20
+DOCS_B = [
+    "Faylı yadda saxla",
+    "Pəncərəni bağla",
+    "Səhifəni yenidən yüklə",
+    "Parametrlər və seçimlər",
+    "Başqa bir fayl seçin",
+    "Qovluğu aç",
+] * 20
 
 
 def test_trained_tokenizers_every_row_matches_an_independent_computation():
     new = train_tokenizer(DOCS_A + DOCS_B, vocab_size=420, progress=False)
     base = new_tokenizer()  # same pre-tokenizer, other merges, only one of our specials
-    base.train_from_iterator(DOCS_B, BpeTrainer(vocab_size=330, special_tokens=[AddedToken(EOS, special=True)],
-                                                initial_alphabet=ALPHABET, show_progress=False))
+    base.train_from_iterator(
+        DOCS_B,
+        BpeTrainer(
+            vocab_size=330,
+            special_tokens=[AddedToken(EOS, special=True)],
+            initial_alphabet=ALPHABET,
+            show_progress=False,
+        ),
+    )
     rows = torch.randn(base.get_vocab_size(), 4, generator=torch.Generator().manual_seed(1))
     out, stats = transfer_embedding(rows, base, new)
     base_vocab = base.get_vocab(with_added_tokens=True)
