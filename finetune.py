@@ -25,14 +25,13 @@ from minilm_az import lora, parallel
 from minilm_az.chat import ChatFormatError, NothingToTrain, chat_files, encode_chat, read_chat_files
 from minilm_az.checkpoint import load_pretrained, load_weights_into, read_config, save_pretrained
 from minilm_az.config import FinetuneConfig, make_parser, parse_config
-from minilm_az.kernels import select_ops
+from minilm_az.kernels import IGNORE, select_ops
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
 from minilm_az.outputs import atomic_write_json
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
-IGNORE = -100  # the label of a token that is not trained on (chat.py's convention)
 MERGED_MARK = "merged_from_adapter.json"  # in OUT/merged: this model already holds an adapter
 
 

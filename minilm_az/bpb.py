@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-IGNORE = -100
+from minilm_az.kernels import IGNORE
 
 
 def bits_per_byte(nll_nats: float, n_bytes: int) -> float:

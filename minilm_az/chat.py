@@ -24,10 +24,10 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from minilm_az.kernels import IGNORE
 from minilm_az.tokenizer import BOS, END_HEADER, EOT, START_HEADER, encode_plain
 
 ROLES = ("system", "user", "assistant")
-IGNORE = -100
 
 
 class ChatFormatError(ValueError):

@@ -28,8 +28,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minilm_az.kernels import TORCH_OPS, Ops
-from minilm_az.model import Llama, ModelConfig, copy_full_into, materialize, meta_model
+from minilm_az.model import Llama, ModelConfig, materialize, meta_model
 from minilm_az.outputs import atomic_write_json, atomic_write_text, staged_output
+from minilm_az.parallel import copy_into, full_tensor
 
 HF_STAGE = "hf-model"  # the stage name save_pretrained records in the output marker
 
@@ -255,11 +256,11 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
                 f"the model expects {tuple(p.shape)} (config.json disagrees with weights)"
             )
         with torch.no_grad():
-            copy_full_into(p, tensor.to(device=p.device, dtype=torch.float32))
+            copy_into(p, tensor.to(device=p.device, dtype=torch.float32))
         seen.add(name)
     for name, tensor in overrides.items():
         with torch.no_grad():
-            copy_full_into(params[name], tensor.to(device=params[name].device, dtype=torch.float32))
+            copy_into(params[name], tensor.to(device=params[name].device, dtype=torch.float32))
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:
@@ -279,11 +280,6 @@ def load_pretrained(
 
 
 # ---------------------------------------------------------------- safetensors out
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor parameter is gathered whole (every rank must call this); a plain one is returned as is.
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _hf_weight_files(path: str) -> list[str]:
@@ -342,7 +338,7 @@ def _write_shards(model: Llama, tmp: str | None, dtype: torch.dtype, max_shard_b
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_embeddings:
             continue
-        t = _full(p.detach())
+        t = full_tensor(p.detach())
         if tmp is None:
             continue
         t = t.to(device="cpu", dtype=dtype).contiguous()

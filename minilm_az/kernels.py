@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+IGNORE = -100  # the target the losses skip: padding, and every chat token that is not the assistant's
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and cast back before the weight, as HF's LlamaRMSNorm does.
@@ -87,7 +89,7 @@ def chunked_linear_cross_entropy(
     w: torch.Tensor,
     targets: torch.Tensor,
     reduction: str = "mean",
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE,
     chunk: int = 2048,
 ) -> torch.Tensor:
     """CE(h @ w.T, targets): mean over non-ignored targets, or the sum (nats) with reduction="sum"."""
@@ -127,7 +129,7 @@ def _liger_ops() -> Ops:
         # Liger takes q (B, H, T, hd), k (B, Hkv, T, hd) and (1, T, hd) cos/sin in HF's layout.
         return liger_rope(q, k, cos[None], sin[None])
 
-    def l_flce(h, w, targets, reduction="mean", ignore_index=-100):
+    def l_flce(h, w, targets, reduction="mean", ignore_index=IGNORE):
         # fp32 accumulation of the head gradient: bf16 sums over 100k rows x many chunks drift.
         return liger_fused_linear_cross_entropy(
             h, w, targets, ignore_index=ignore_index, reduction=reduction, accum_dtype=torch.float32

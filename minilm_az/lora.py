@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from minilm_az.outputs import staged_output
+from minilm_az.parallel import copy_into, full_tensor
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -36,20 +37,6 @@ _BASE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_si
 
 class AdapterError(ValueError):
     """An adapter directory that does not fit the model (other base, other rank) or is unreadable."""
-
-
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    # Same as model.copy_full_into (lora.py imports no engine module): a DTensor keeps only its shard.
-    if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        param.to_local().copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements).to_local())
-    else:
-        param.copy_(full)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class LoRALinear(nn.Module):
@@ -87,7 +74,7 @@ class LoRALinear(nn.Module):
             gen.manual_seed(seed)
         full = torch.empty(self.lora_A.shape, dtype=torch.float32)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
-        _copy_full(self.lora_A, full.to(self.lora_A.device))
+        copy_into(self.lora_A, full.to(self.lora_A.device))
         self.lora_B.zero_()
 
     def delta_weight(self) -> torch.Tensor:
@@ -202,8 +189,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT-named full adapter tensors. On a sharded model every rank must call it (it gathers)."""
     out = {}
     for name, m in lora_modules(model):
-        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = _full(m.lora_A.detach())
-        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = _full(m.lora_B.detach())
+        out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = full_tensor(m.lora_A.detach())
+        out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = full_tensor(m.lora_B.detach())
     return out
 
 
@@ -354,7 +341,7 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
                 f"{tuple(p.shape)} (adapter for a different base model or rank?)"
             )
         with torch.no_grad():
-            _copy_full(p, t.to(device=p.device, dtype=torch.float32))
+            copy_into(p, t.to(device=p.device, dtype=torch.float32))
         seen.add((mod, part))
     missing = [f"{m}.{part}" for m in modules for part in ("lora_A", "lora_B") if (m, part) not in seen]
     if missing:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minilm_az.kernels import TORCH_OPS, Ops
+from minilm_az.parallel import copy_into
 
 
 @dataclass(frozen=True)
@@ -115,17 +116,6 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old / hi) & (wavelen <= old / lo)
     return torch.where(medium, blended, scaled).float()
-
-
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter, keeping only the local shard when it is a DTensor."""
-    if hasattr(param, "device_mesh"):  # a DTensor: imported lazily so this file needs no distributed code
-        from torch.distributed.tensor import distribute_tensor
-
-        full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements).to_local()
-        param.to_local().copy_(full)
-    else:
-        param.copy_(full)
 
 
 class RMSNorm(nn.Module):
@@ -252,7 +242,7 @@ class Llama(nn.Module):
             gen = torch.Generator(device=p.device)
             gen.manual_seed((seed or 0) * 1_000_003 + i)
             full = torch.empty(p.shape, device=p.device, dtype=torch.float32).normal_(0.0, s, generator=gen)
-            copy_full_into(p, full)
+            copy_into(p, full)  # the same numbers on any world size: each rank keeps its shard
 
     def rope(self, T: int, pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(pos, pos + T, device=self.inv_freq.device, dtype=torch.float32)

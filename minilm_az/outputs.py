@@ -75,7 +75,7 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def atomic_write_json(path: str, obj, indent: int | None = 2) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------- the marker

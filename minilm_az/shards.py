@@ -131,7 +131,6 @@ def write_shards(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     batch_bytes: int = 1 << 20,
     meta: dict | None = None,
-    on_batch: Callable[[dict], None] | None = None,
 ) -> dict:
     """Encode documents into a shard directory and return its index.
 
@@ -155,8 +154,6 @@ def write_shards(
             x.append(eos_id)
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=writer.dtype, count=sum(map(len, ids)))
         writer.add(split, flat, len(texts), nbytes)
-        if on_batch is not None:
-            on_batch({"split": split, "documents": len(texts), "tokens": int(flat.size), "bytes": nbytes})
     return writer.close()
 
 
@@ -285,9 +282,6 @@ class TokenStream:
         self.num_documents = info["documents"]
         self.num_bytes = info["bytes"]
         self._maps: list[np.memmap | None] = [None] * len(self._shards)
-
-    def __len__(self) -> int:
-        return self.num_tokens
 
     def _map(self, i: int) -> np.memmap:
         if self._maps[i] is None:

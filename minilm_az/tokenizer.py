@@ -24,7 +24,6 @@ import gzip
 import hashlib
 import json
 import os
-import shutil
 import unicodedata
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +31,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
+
+from minilm_az.outputs import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -271,11 +272,10 @@ def write_tokenizer_files(tok: Tokenizer, out_dir: str, model_max_length: int | 
     if missing:
         raise ValueError(f"tokenizer lacks the special tokens {missing}; use copy_tokenizer_files for others")
     os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tok, model_max_length))
-    _write_json(
-        os.path.join(out_dir, "special_tokens_map.json"),
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tok.to_str(pretty=True))
+    atomic_write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tok, model_max_length))
+    atomic_write_json(
+        os.path.join(out_dir, "special_tokens_map.json"), {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     )
 
 
@@ -288,22 +288,17 @@ def copy_tokenizer_files(src: str, dst_dir: str) -> list[str]:
     src_json = _tokenizer_json(src)
     src_dir = os.path.dirname(os.path.abspath(src_json))
     os.makedirs(dst_dir, exist_ok=True)
-    shutil.copyfile(src_json, os.path.join(dst_dir, "tokenizer.json"))
-    for name in TOKENIZER_FILES[1:]:
-        if os.path.isfile(os.path.join(src_dir, name)):
-            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
-        elif name == "tokenizer_config.json":
-            _write_json(os.path.join(dst_dir, name), _tokenizer_config(load_tokenizer(src_json), None))
+    for name in TOKENIZER_FILES:
+        src_file = src_json if name == "tokenizer.json" else os.path.join(src_dir, name)
+        if os.path.isfile(src_file):
+            with open(src_file, "rb") as f:
+                atomic_write_bytes(os.path.join(dst_dir, name), f.read())
         else:
             config = _tokenizer_config(load_tokenizer(src_json), None)
-            _write_json(os.path.join(dst_dir, name), {k: config[k] for k in ("bos_token", "eos_token", "pad_token")})
+            if name == "special_tokens_map.json":
+                config = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
+            atomic_write_json(os.path.join(dst_dir, name), config)
     return list(TOKENIZER_FILES)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2)
-        f.write("\n")
 
 
 # --- corpus reading ---------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def aws(monkeypatch):
 
 @pytest.fixture
 def project(tmp_path):
-    """A copy of the checkout, with stand-ins for root scripts not written yet, plus junk to leave behind."""
+    """A copy of the checkout, plus junk the upload must leave behind."""
     from minilm_az import sagemaker as sm
 
     root = tmp_path / "checkout"
@@ -83,9 +83,6 @@ def project(tmp_path):
             shutil.copy2(f, root / f.name)
     (root / "tests").mkdir()
     (root / "tests" / "test_x.py").write_text("")
-    for stage in sm.STAGES.values():
-        if not (root / stage.script).exists():
-            (root / stage.script).write_text("raise SystemExit('stand-in')\n")
     (root / "runs" / "old").mkdir(parents=True)
     (root / "runs" / "old" / "model.safetensors").write_bytes(b"\0" * 1024)
     return root
