@@ -1,8 +1,9 @@
 """Everything distributed, in one place: process group, activation checkpointing, compile, FSDP2.
 
-The model file applies none of it (it borrows `copy_into` only, so its init is the same on any world size). The order follows torchtitan: build on meta, activation
-checkpointing, then per-block `torch.compile`, then `fully_shard` each block and the root, then
-materialise (allocate only the local shards) and load or initialise the weights.
+The model file applies none of it (it borrows `copy_into` only, so its init is the same on any world
+size). The order follows torchtitan: build on meta, activation checkpointing, then per-block
+`torch.compile`, then `fully_shard` each block and the root, then materialise (allocate only the local
+shards) and load or initialise the weights.
 """
 
 from __future__ import annotations
