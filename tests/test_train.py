@@ -290,6 +290,30 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses(data, reference, 
         torch.testing.assert_close(weights(out)[name], t, rtol=0, atol=1e-6, msg=name)
 
 
+def test_checkpoint_minutes_bounds_what_a_sigkill_loses(data, tmp_path):
+    """SageMaker's spot interruption as it really arrives (no SIGTERM reaches train.py): a SIGKILL at a random
+    moment. With --checkpoint-minutes 0.05 (3 s) and --checkpoint-every off, the newest complete checkpoint is
+    at most 3 s (plus one step and the write) older than the kill, and the resume starts from it."""
+    out, interval = tmp_path / "clock", 3.0
+    args = ["--tokenizer", data / "tok", "--data", data / "shards", "--out", out, *SMALL, "--checkpoint-every", 0]
+    p = launch(*args, "--steps", 100_000, "--checkpoint-minutes", interval / 60)
+    ckpt = out / "checkpoints" / "phase2"
+    wait_for(lambda: checkpoint_step(ckpt) is not None, p, "the first timed checkpoint")
+    first = checkpoint_step(ckpt)
+    wait_for(lambda: checkpoint_step(ckpt) != first, p, "the second timed checkpoint")
+    time.sleep(np.random.default_rng().uniform(0, 2 * interval))  # anywhere in the next interval or two
+    kill(p)
+    killed = time.time()
+    p.communicate()
+    step = checkpoint_step(ckpt)
+    saved = (ckpt / f"step-{step:08d}" / "train_state.json").stat().st_mtime  # written at that step's end
+    assert killed - saved <= interval + 2.0, f"the kill lost {killed - saved:.1f} s of training"
+    steps_run = max(r["step"] for r in records(out))
+    assert first < step <= steps_run
+    r = train(*args, "--steps", step + 2, "--resume", "auto")
+    assert f"step={step}" in r.stdout.split("resume from=")[1].splitlines()[0]
+
+
 def test_sigterm_on_one_rank_checkpoints_exits_cleanly_and_resumes(data, reference, tmp_path):
     """A spot interruption: the signal reaches rank 1 only; both ranks stop after the same step, save, exit 0.
     The resume runs on one process (DCP reshards) and continues the reference's losses."""
