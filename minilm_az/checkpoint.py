@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from minilm_az.kernels import TORCH_OPS, Ops
 from minilm_az.model import Llama, ModelConfig, materialize, meta_model
-from minilm_az.outputs import atomic_write_json, atomic_write_text, staged_output
+from minilm_az.outputs import atomic_write_json, atomic_write_text, read_json, staged_output
 from minilm_az.parallel import copy_into, full_tensor
 
 HF_STAGE = "hf-model"  # the stage name save_pretrained records in the output marker
@@ -155,12 +155,7 @@ def read_config(path: str) -> ModelConfig:
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    try:
-        with open(f, encoding="utf-8") as fh:
-            hf = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
-    return config_from_hf(hf, f)
+    return config_from_hf(read_json(f, CheckpointError), f)
 
 
 # ---------------------------------------------------------------- safetensors in
@@ -181,12 +176,7 @@ def weight_files(path: str) -> dict[str, str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as fh:
-                wm = json.load(fh)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
-        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        wm = read_json(index, CheckpointError).get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{index}: no 'weight_map'")
         out = {name: os.path.join(path, file) for name, file in wm.items()}

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from minilm_az.outputs import staged_output
+from minilm_az.outputs import read_json, staged_output
 from minilm_az.parallel import copy_into, full_tensor
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -250,13 +250,7 @@ def read_adapter_config(path: str) -> dict:
     f = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(f):
         raise AdapterError(f"{path}: no {CONFIG_FILE} (expected a PEFT LoRA adapter directory)")
-    try:
-        with open(f, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
+    cfg = read_json(f, AdapterError)
     if cfg.get("peft_type") != "LORA":
         raise AdapterError(f"{f}: peft_type is {cfg.get('peft_type')!r}, only LORA adapters are supported")
     for key in ("r", "lora_alpha", "target_modules"):

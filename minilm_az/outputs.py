@@ -78,6 +78,18 @@ def atomic_write_json(path: str, obj, indent: int | None = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
+def read_json(path: str, error: type[Exception] = ValueError) -> dict:
+    """The JSON object in `path`; anything else (bad JSON, bad UTF-8, a list) is `error`, naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 # ---------------------------------------------------------------- the marker
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import queue
 import threading
@@ -30,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from minilm_az.outputs import atomic_write_json
+from minilm_az.outputs import atomic_write_json, read_json
 
 FORMAT = 1
 SPLITS = ("train", "val")
@@ -223,13 +222,7 @@ def load_index(data_dir: str) -> dict:
         raise FileNotFoundError(
             f"no index.json in {data_dir}: not a token-shard directory (make one with `tokenize.py encode`)"
         )
-    try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt index ({e})") from None
-    if not isinstance(index, dict):
-        raise ValueError(f"{path}: corrupt index (not a JSON object)")
+    index = read_json(path)
     if index.get("format") != FORMAT:
         raise ValueError(f"{path}: unsupported shard format {index.get('format')!r} (expected {FORMAT})")
     for key in ("dtype", "vocab_size", "tokenizer_hash", "eos_id", "splits"):

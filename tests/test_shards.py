@@ -134,7 +134,7 @@ def test_bad_shard_directories_are_named(tmp_path, shard_dir):
     with pytest.raises(FileNotFoundError, match="no index.json in"):
         shards.load_index(str(tmp_path))
     (tmp_path / "index.json").write_text('{"format": 1, "dtype"')
-    with pytest.raises(ValueError, match="index.json: corrupt index"):
+    with pytest.raises(ValueError, match="index.json: not valid JSON"):
         shards.load_index(str(tmp_path))
     (tmp_path / "index.json").write_text(json.dumps({"format": 2}))
     with pytest.raises(ValueError, match="unsupported shard format 2"):
