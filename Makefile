@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 # Durations measured with `time make demo` / `time make demo-quick` on 2 CPU cores (demo/run.py's --help says the same).
-demo: $(SETUP)  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (8-10 min on 2 cores)
+demo: $(SETUP)  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (6-10 min on 2 cores)
 	$(PYTHON) -m demo --name $(NAME)
 
 demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~1.5 min)

@@ -42,7 +42,7 @@ VAL_FILE = os.path.join(DATA, "firefox.txt")
 MARKER = "demo.json"  # proves a run directory is a demo's, so a rerun may replace it
 # Measured with `time make demo` (8m12s, 10m04s) / `time make demo-quick` (1m23s) on 2 CPU cores that other
 # jobs shared (load 3-6); the Makefile says the same.
-DURATIONS = "the full demo takes 8-10 min on 2 CPU cores, --quick ~1.5 min"
+DURATIONS = "the full demo takes 6-10 min on 2 CPU cores, --quick ~1.5 min"
 
 PROMPTS = ("Azərbaycanın paytaxtı hansı şəhərdir?", "Çay necə dəmlənir?")
 
