@@ -59,3 +59,12 @@ def test_the_cpu_block_runs_as_written_on_a_demo_run(quick_demo, tmp_path):
     assert os.path.isfile(tmp_path / "phase2" / "model.safetensors")
     assert os.path.isfile(tmp_path / "sft" / "adapter_model.safetensors")
     assert r.stdout.strip().splitlines()[-1].strip()  # --prompt printed a reply
+
+
+def test_the_demo_durations_are_one_set_in_readme_makefile_and_help():
+    from demo.run import DURATIONS
+
+    full, quick = re.findall(r"(\S+ min)", DURATIONS)
+    makefile = open(os.path.join(ROOT, "Makefile"), encoding="utf-8").read()
+    for text, where in ((README, "README.md"), (makefile, "Makefile")):
+        assert full in text and quick in text, f"{where} does not say {full!r} and {quick!r} as --help does"
