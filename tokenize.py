@@ -1,11 +1,12 @@
-"""Stage 1: text -> byte-level BPE tokenizer -> token shards for train.py.
+"""Stage 1: raw text -> a clean corpus -> byte-level BPE tokenizer -> token shards for train.py.
 
+    python tokenize.py clean  --corpus dumps/az.parquet dumps/oscar.jsonl.zst --out runs/clean
     python tokenize.py train  --corpus data/az --vocab-size 100000 --out runs/tokenizer
     python tokenize.py report --tokenizer runs/tokenizer --baseline BASE/tokenizer.json --corpus data/az/firefox.txt
     python tokenize.py encode --tokenizer runs/tokenizer --corpus data/az --out runs/shards
 
-Without --corpus the demo corpus in data/az/ is used: train on mediawiki + kde + django, report on
-firefox (held out), encode the three with firefox as the val split.
+Without --corpus the demo corpus in data/az/ is used: clean all four files, train on mediawiki + kde +
+django, report on firefox (held out), encode the three with firefox as the val split.
 
 The pipeline requires this file's name, which is also the standard library's `tokenize` (imported
 by linecache and inspect, hence by torch and pytest). Whenever the root is on sys.path, `import
@@ -32,17 +33,18 @@ if __name__ == "tokenize":
     sys.modules["tokenize"] = _stdlib
     _spec.loader.exec_module(_stdlib)
 else:
+    import dataclasses
     import functools
     import json
     import time
 
     from tqdm import tqdm
 
-    from minilm_az import shards
+    from minilm_az import clean, shards
     from minilm_az import tokenizer as tk
     from minilm_az.config import TOKENIZE_CONFIGS, HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
-    from minilm_az.outputs import atomic_write_text, staged_output, written_by
+    from minilm_az.outputs import atomic_write_json, atomic_write_text, staged_output, written_by
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
 DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
@@ -82,6 +84,35 @@ def read(files: list[str], args, bar: tqdm | None = None):
 
 
 # --- subcommands -------------------------------------------------------------------------------------
+
+
+def cmd_clean(args) -> None:
+    files = tk.corpus_files(args.corpus or DEMO_TRAIN + DEMO_VAL)
+    check_out_dir(args.out, args.overwrite, "tokenize clean")
+    rules = clean.Rules(**{f.name: getattr(args, f.name) for f in dataclasses.fields(clean.Rules)})
+    t0 = time.time()
+    with (
+        progress_bar(files, "clean", args.progress) as bar,
+        staged_output(args.out, stage="tokenize clean") as tmp,
+    ):
+        workers = args.workers or os.cpu_count() or 1
+        report = clean.clean_corpus(read(files, args, bar), tmp, rules, workers, args.shard_mb << 20, args.samples)
+        seconds = time.time() - t0
+        head = {"created_by": "tokenize.py clean", "corpus": [os.path.abspath(f) for f in files], "workers": workers}
+        atomic_write_json(os.path.join(tmp, "clean_report.json"), {**head, **report, "seconds": round(seconds, 1)})
+    for s in report["steps"]:
+        counts = {k: s[k] for k in ("documents_in", "documents_out", "bytes_in", "bytes_out")}
+        print(format_line("tokenize_clean_step", step=s["step"], enabled=s["enabled"], **counts))
+    docs_in, docs_out = report["documents_in"], report["documents_out"]
+    rate = round(docs_in / max(seconds, 1e-9))
+    print(
+        format_line(
+            "tokenize_clean", documents_in=docs_in, documents_out=docs_out, seconds=round(seconds, 1), docs_per_s=rate
+        )
+    )
+    if docs_out == 0:
+        print(f"warning: no document survived cleaning; see {args.out}/clean_report.json", file=sys.stderr)
+    print(f"wrote {args.out}")
 
 
 def cmd_train(args) -> None:
@@ -219,6 +250,7 @@ def tk_json(path: str) -> str:
 
 
 COMMANDS = {
+    "clean": (cmd_clean, "raw dumps -> normalised, Azerbaijani-only, deduplicated jsonl.gz (+ clean_report.json)"),
     "train": (cmd_train, "train the byte-level BPE tokenizer"),
     "report": (cmd_report, "fertility, bytes/token, chars/token: ours vs a baseline"),
     "encode": (cmd_encode, "corpus -> token shards (+ index.json) for train.py"),
@@ -241,7 +273,7 @@ def parse_args(argv: list[str] | None = None):
     cfg = parse_config(TOKENIZE_CONFIGS[argv[0]], p, argv)
     if argv[0] in ("report", "encode") and not cfg.tokenizer:
         p.error(f"{argv[0]}: --tokenizer is required")
-    if argv[0] in ("train", "encode") and not cfg.out:
+    if argv[0] in ("clean", "train", "encode") and not cfg.out:
         p.error(f"{argv[0]}: --out is required")
     cfg.command, cfg.func = argv[0], COMMANDS[argv[0]][0]
     return cfg

@@ -158,10 +158,13 @@ class FinetuneConfig:
 @dataclass
 class CorpusConfig:
     corpus: list[str] | None = _f(
-        None, ".txt/.jsonl files (or .gz of them), dirs (default: the demo corpus)", nargs="+", channel="corpus"
+        None,
+        ".txt/.jsonl files (or .gz/.zst of them), .parquet, dirs (default: the demo corpus)",
+        nargs="+",
+        channel="corpus",
     )
     doc_sep: str = _f("line", ".txt: a document a line, or blank-line separated", choices=("line", "blank"))
-    text_field: str = _f("text", ".jsonl field holding the text")
+    text_field: str = _f("text", ".jsonl field / .parquet column holding the text")
     errors: str = _f("strict", "invalid UTF-8: fail, or replace with U+FFFD", choices=("strict", "replace"))
     progress: bool = _f(True, "progress bars")
 
@@ -201,7 +204,33 @@ class TokenizeEncodeConfig(CorpusConfig):
     overwrite: bool = _f(False, "replace an existing shard directory (only one this command wrote)")
 
 
-TOKENIZE_CONFIGS = {"train": TokenizeTrainConfig, "report": TokenizeReportConfig, "encode": TokenizeEncodeConfig}
+@dataclass
+class TokenizeCleanConfig(CorpusConfig):
+    out: str | None = _f(None, "directory for clean-*.jsonl.gz and clean_report.json", container=CONTAINER_MODEL)
+    overwrite: bool = _f(False, "replace an existing clean directory (only one this command wrote)")
+    normalize: bool = _f(True, "NFC, control characters out, single spaces, stripped lines")
+    lang: str = _f("az", "keep Azerbaijani (Latin script) by py3langid, or keep every language", choices=("az", "none"))
+    lang_threshold: float = _f(0.5, "least py3langid probability of az to keep a document", lo=0.0, hi=1.0)
+    quality: bool = _f(True, "Gopher/C4-style rules: length, word length, letters, symbols, repetition")
+    min_words: int = _f(5, "fewest whitespace words a document keeps (Gopher: 50 for web pages)", lo=0)
+    max_words: int = _f(100_000, "most whitespace words a document keeps", lo=1)
+    dedup: str = _f(
+        "near", "exact: identical normalised text; near: also MinHash LSH", choices=("none", "exact", "near")
+    )
+    near_threshold: float = _f(
+        0.7, "estimated Jaccard (character 5-grams) that makes a near-duplicate", lo=0.05, hi=1.0
+    )
+    workers: int | None = _f(None, "processes for normalise/lang/quality/hashing (default: CPUs)", lo=1)
+    shard_mb: int = _f(256, "MB of text per clean-*.jsonl.gz file", lo=1)
+    samples: int = _f(5, "removed documents kept per reason in clean_report.json, for a human to check", lo=0)
+
+
+TOKENIZE_CONFIGS = {
+    "clean": TokenizeCleanConfig,
+    "train": TokenizeTrainConfig,
+    "report": TokenizeReportConfig,
+    "encode": TokenizeEncodeConfig,
+}
 
 
 # ---------------------------------------------------------------- flags from dataclasses

@@ -14,14 +14,17 @@ become ordinary text tokens, never control tokens, and no BOS/EOS is added.
 
 Corpus files: `.txt` holds one document a line (`doc_sep="line"`) or blank-line separated
 documents (`doc_sep="blank"`); `.jsonl` holds one JSON object a line with a `text` field; either may
-be gzipped (`.gz`); a directory stands for the corpus files under it. Whitespace-only documents are
-skipped. Files are streamed, never read whole.
+be gzipped (`.gz`) or zstandard-compressed (`.zst`, as OSCAR ships `.jsonl.zst`); `.parquet` (FineWeb-2,
+CulturaX) holds the text in a string column (`text`), read one row group at a time, nulls skipped; a
+directory stands for the corpus files under it. Whitespace-only documents are skipped. Files are
+streamed, never read whole.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import unicodedata
@@ -66,7 +69,7 @@ CHAT_TEMPLATE = (
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", ".txt.zst", ".jsonl.zst", ".parquet")
 
 
 class CorpusError(ValueError):
@@ -354,9 +357,12 @@ def iter_documents(
 
 
 def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str]:
-    jsonl = path.endswith((".jsonl", ".jsonl.gz"))
+    if path.endswith(".parquet"):
+        yield from _parquet_documents(path, text_field, on_bytes)
+        return
+    jsonl = path.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))
     with open(path, "rb") as raw:
-        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
+        stream = _decompressed(raw, path)
         offset, reported, paragraph = 0, 0, []
         try:
             for lineno, line in enumerate(stream, 1):
@@ -388,10 +394,62 @@ def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str
                     yield doc
             if paragraph:
                 yield "\n".join(paragraph)
-        except (EOFError, gzip.BadGzipFile, OSError, zlib.error) as e:  # zlib.error: a corrupt deflate stream
+        except (EOFError, gzip.BadGzipFile, OSError, zlib.error, _ZstdError) as e:  # zlib.error: bad deflate data
             raise CorpusError(f"{path}: cannot read ({e}); is it a complete, uncorrupted file?") from None
         if on_bytes is not None:
             on_bytes(raw.tell() - reported)
+
+
+try:
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # only .zst input needs it; _decompressed says so
+
+    class _ZstdError(Exception):
+        pass
+
+
+def _decompressed(raw, path: str):
+    """The byte stream of a corpus file: gunzipped for .gz, zstd-decoded for .zst (line iteration on either)."""
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise CorpusError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from None
+        # read_across_frames: a file made of several concatenated frames (zstd's streaming writers) reads whole
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
+
+
+def _parquet_documents(path: str, text_field: str, on_bytes) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorpusError(f"{path}: reading .parquet needs the pyarrow package (pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise CorpusError(f"{path}: not a readable Parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise CorpusError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); see --text-field")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise CorpusError(f"{path}: column {text_field!r} holds {kind}, not strings")
+    size, groups, reported = os.path.getsize(path), pf.num_row_groups, 0
+    for g in range(groups):  # one row group in memory at a time, only the text column
+        try:
+            column = pf.read_row_group(g, columns=[text_field]).column(0)
+        except (pa.ArrowException, OSError) as e:
+            raise CorpusError(f"{path}: cannot read row group {g} ({e}); is it a complete file?") from None
+        for doc in column.to_pylist():
+            if doc and not doc.isspace():
+                yield doc
+        if on_bytes is not None:
+            on_bytes(size * (g + 1) // groups - reported)
+            reported = size * (g + 1) // groups
 
 
 def _jsonl_text(line: str, path: str, lineno: int, field: str) -> str | None:

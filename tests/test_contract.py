@@ -23,7 +23,14 @@ pytest.importorskip("moto")
 
 from conftest import BUCKET, ROLE  # noqa: E402  (the mocked account conftest's aws fixture sets up)
 
-STAGES = [("tokenize", "train"), ("tokenize", "report"), ("tokenize", "encode"), ("train", None), ("finetune", None)]
+STAGES = [
+    ("tokenize", "clean"),
+    ("tokenize", "train"),
+    ("tokenize", "report"),
+    ("tokenize", "encode"),
+    ("train", None),
+    ("finetune", None),
+]
 
 
 def other_value(f: dataclasses.Field):
