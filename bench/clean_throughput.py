@@ -28,6 +28,8 @@ import tempfile
 import time
 from collections import Counter
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -111,6 +113,24 @@ def scores(docs: list[tuple[str, str, int]], steps: list[str | None]) -> dict[st
         "unique_kept": sum(kept[i] for i in by("unique")) / max(len(by("unique")), 1),
         "counts": dict(Counter(d[1] for d in docs)),
     }
+
+
+def lid_table(thresholds=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9)) -> None:
+    """Share of real lines clean.language() keeps (as Azerbaijani) per language and py3langid threshold, and
+    what a letter prior would add: keep also when the model's top language is Turkish and the text has ə."""
+    from minilm_az import clean
+
+    ident = clean.Worker(clean.Rules()).identifier
+    sets = {"az": [ln for f in AZ_FILES for ln in _lines(f)]} | {k: _lines(p) for k, p in FOREIGN.items()}
+    print("| lines | n | " + " | ".join(f"kept at {t}" for t in thresholds) + " | kept at 0.5, + ə prior |")
+    print("|---|---|" + "---|" * (len(thresholds) + 1))
+    for lang, lines in sets.items():
+        top = [ident.classify(t) for t in lines]
+        cells = [np.mean([lab == "az" and p >= t for lab, p in top]) for t in thresholds]
+        prior = np.mean(
+            [(lab == "az" and p >= 0.5) or (lab == "tr" and "ə" in t.lower()) for (lab, p), t in zip(top, lines)]
+        )
+        print(f"| {lang} | {len(lines)} | " + " | ".join(f"{c:.4f}" for c in cells) + f" | {prior:.4f} |")
 
 
 # ---------------------------------------------------------------- the runs (each in a child process)
@@ -200,6 +220,7 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=1, help="independent groupings of data/az (more documents)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--no-peer", action="store_true", help="skip datatrove")
+    p.add_argument("--lid", action="store_true", help="only the language-ID table on the real lines")
     p.add_argument("--run", nargs=4, help=argparse.SUPPRESS)  # child: ENGINE INPUT OUT WORKERS
     args = p.parse_args()
     if args.run:
@@ -209,6 +230,8 @@ def main() -> None:
         else:
             run_ours(inp, out, int(workers), "az" if engine == "ours" else "none")
         return
+    if args.lid:
+        return lid_table()
     from minilm_az import clean
 
     docs = planted_set(scale=args.scale)

@@ -275,6 +275,37 @@ def section_setup(r: Run) -> list[str]:
     return out
 
 
+def section_clean(r: Run) -> list[str]:
+    """What `tokenize.py clean` removed from the train text, step by step, with one example per reason."""
+    rep = read_json(os.path.join(r.path, "clean", "clean_report.json"))
+    if not rep:
+        return []
+    rows = []
+    for s in rep["steps"]:
+        removed = ", ".join(f"{why} {n:,}" for why, n in sorted(s["removed"].items(), key=lambda kv: -kv[1]))
+        cells = [_n(s["documents_in"]), _n(s["documents_out"]), _n(s["bytes_in"]), _n(s["bytes_out"])]
+        rows.append([s["step"] if s["enabled"] else f"{s['step']} (off)", *cells, removed or "–"])
+    gone = 1 - rep["documents_out"] / max(rep["documents_in"], 1)
+    out = [
+        "## 0. Clean",
+        "",
+        f"`tokenize.py clean` kept {rep['documents_out']:,} of {rep['documents_in']:,} train documents "
+        f"({gone:.1%} removed, {rep['bytes_out']:,} of {rep['bytes_in']:,} bytes); the tokenizer and both shard "
+        "sets are made from what it kept. The held-out firefox text is not cleaned (BPB is measured on it as it is).",
+        "",
+        *_table(["step", "docs in", "docs out", "bytes in", "bytes out", "removed (reason, documents)"], rows),
+        "One removed document per reason (the first few of each are in `clean/clean_report.json`):",
+        "",
+    ]
+    for reason, samples in rep.get("samples", {}).items():
+        text = " ".join(samples[0]["text"].split())
+        text = text if len(text) <= 120 else text[:117] + "..."
+        extra = {k: v for k, v in samples[0].items() if k != "text"}
+        note = f" ({', '.join(f'{k} {v}' for k, v in extra.items())})" if extra else ""
+        out.append(f"- {reason}{note}: “{text}”")
+    return out + [""]
+
+
 def section_tokenizer(r: Run, img) -> list[str]:
     if not r.fertility:
         return []
@@ -629,6 +660,7 @@ def write_report(run: str) -> str:
         ]
     for section in (
         section_setup(r),
+        section_clean(r),
         section_tokenizer(r, img),
         section_pretraining(r, img),
         section_bpb(r, img),

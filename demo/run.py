@@ -3,9 +3,12 @@
 Runs the real root scripts as subprocesses, in order, each into `runs/<name>/<stage>` with its log in
 `runs/<name>/logs/`:
 
-    tokenizer   tokenize.py train (our BBPE, a demo-sized vocab) on mediawiki + kde + django
+    clean       tokenize.py clean on mediawiki + kde + django: normalised, Azerbaijani only, Gopher/C4 rules,
+                exact and near duplicates out (the report shows what went and why)
+    tokenizer   tokenize.py train (our BBPE, a demo-sized vocab) on the cleaned text
     fertility   tokenize.py report: ours vs the baseline (Llama-3's tokenizer) on firefox (held out)
-    shards      tokenize.py encode, twice: our tokenizer and the baseline's (firefox is the val split)
+    shards      tokenize.py encode of the cleaned text, twice: our tokenizer and the baseline's (firefox, raw, is
+                the val split)
     base        train.py --phase 2 --preset tiny, random init, baseline tokenizer: the stand-in for the
                 English-centric base model
     phase1      train.py --phase 1: vocabulary transfer to our tokenizer, embeddings only
@@ -163,6 +166,7 @@ class Runner:
         "train",
         "eval",
         "finetune",
+        "tokenize_clean",
         "tokenize_train",
         "tokenize_encode",
         "fertility",
@@ -252,14 +256,21 @@ def py(script: str, *words: str, **kw) -> list[str]:
 
 
 def tokenizer_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str, val: str) -> list[tuple]:
-    """(name, title, command) of stage 1: our tokenizer, its fertility report, both tokenizers' shards."""
+    """(name, title, command) of stage 1: the cleaned corpus, our tokenizer, its fertility report, both
+    tokenizers' shards of the cleaned text."""
     tok = os.path.join(run, "tokenizer")
     report = os.path.join(run, "tokenizer_report.json")
+    clean = os.path.join(run, "clean")
     stages = [
         (
+            "clean",
+            "clean mediawiki + kde + django: normalise, keep Azerbaijani, quality rules, exact + near dedup",
+            py("tokenize.py", "clean", corpus=TRAIN_FILES, out=clean, workers=cfg.procs, no_progress=True),
+        ),
+        (
             "tokenizer",
-            f"train our byte-level BPE ({cfg.vocab_size} ids) on mediawiki + kde + django",
-            py("tokenize.py", "train", corpus=TRAIN_FILES, vocab_size=cfg.vocab_size, out=tok, no_progress=True),
+            f"train our byte-level BPE ({cfg.vocab_size} ids) on the cleaned mediawiki + kde + django",
+            py("tokenize.py", "train", corpus=clean, vocab_size=cfg.vocab_size, out=tok, no_progress=True),
         ),
         (
             "fertility",
@@ -272,12 +283,13 @@ def tokenizer_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str, v
             "tokenize.py",
             "encode",
             tokenizer=t,
-            corpus=TRAIN_FILES,
+            corpus=clean,
             val_corpus=val,
             out=os.path.join(run, out),
             no_progress=True,
         )
-        stages.append((f"shards_{who}", f"encode train + val (firefox) into token shards, {who} tokenizer", encode))
+        title = f"encode the cleaned train text + val (firefox) into token shards, {who} tokenizer"
+        stages.append((f"shards_{who}", title, encode))
     return stages
 
 

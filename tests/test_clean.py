@@ -311,3 +311,18 @@ def test_overwrite_replaces_only_its_own_previous_output(tmp_path):
     tokenize("clean", "--corpus", os.path.join(DATA, "django.txt"), "--out", str(out), "--overwrite")
     assert sorted(os.listdir(out)) == first  # the same files, with the new run's content
     assert json.load(open(out / "clean_report.json"))["documents_in"] == 109
+
+
+def test_the_demo_report_shows_what_clean_removed(planted, tmp_path):
+    from demo.report import Run, section_clean
+
+    texts = [t for t, _, _ in planted]
+    rep = clean.clean_corpus(texts, str(tmp_path / "clean"), clean.Rules(), samples=2)
+    (tmp_path / "clean" / "clean_report.json").write_text(json.dumps(rep), encoding="utf-8")
+    text = "\n".join(section_clean(Run(str(tmp_path), {}, "x", None)))
+    assert f"kept {rep['documents_out']:,} of {len(texts):,} train documents" in text
+    for s in rep["steps"]:
+        for reason, n in s["removed"].items():
+            assert f"{reason} {n:,}" in text
+    assert "- near: near duplicate (similar_to clean-00000.jsonl.gz:" in text
+    assert section_clean(Run(str(tmp_path / "none"), {}, "x", None)) == []  # a run from before clean existed
