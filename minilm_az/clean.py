@@ -21,10 +21,10 @@ Steps, in this order; each can be switched off and each is counted (documents an
 
 Workers (a multiprocessing pool) run steps 1-3 and compute the hash and MinHash signature of what survives, a
 window of batches at a time; the main process keeps the input order (the output is identical for any number
-of workers), the two indexes and the writer. The indexes are the only state that grows with the input: ~70
-bytes per kept document for `exact` (a Python set of ints) and ~2.5 KB for `near` (BANDS dict entries and
-the signature); everything else is bounded by the batch window. A dump of 10 M documents needs ~25 GB of
-memory for `--dedup near`.
+of workers), the two indexes and the writer. The indexes are the only state that grows with the input: 12
+bytes a kept document for `exact` and ~500 for `near` (a 16-bit signature, 20 band keys), held in sorted
+numpy runs (KeyTable); measured, the whole process tree grows by ~0.7 KB per kept document (bench/RESULTS.md),
+so 10 M kept documents need ~7 GB. Everything else is bounded by the batch window.
 
 Output (`out_dir`): `clean-00000.jsonl.gz`, ... one `{"text": ...}` a line in input order (`tokenize.py
 train/encode --corpus DIR` read them as they are); tokenize.py adds clean_report.json, what `clean_corpus`
@@ -52,8 +52,8 @@ STEPS = ("normalize", "lang", "quality", "exact", "near")
 # n-grams: Azerbaijani is agglutinative, so a changed suffix ("kitab" -> "kitablar") breaks every word n-gram
 # holding that word but only a few character ones, and documents here can be one short sentence (a word
 # 5-gram set of a 7-word line has 3 members). 120 permutations in 20 bands of 6 rows: a pair with Jaccard
-# similarity s becomes a candidate with probability 1 - (1 - s^6)^20 (0.92 at s=0.7, 0.998 at 0.8, 0.05 at
-# 0.3), and every candidate is then verified on all 120 values (estimate's std <= 0.046), so a chance band
+# similarity s becomes a candidate with probability 1 - (1 - s^6)^20 (0.92 at s=0.7, 0.998 at 0.8, 0.27 at
+# 0.5, 0.014 at 0.3), and every candidate is then verified on all 120 values (estimate's std <= 0.046), so a chance band
 # collision costs one comparison, never a removal. Each document is checked against at most 20 candidates.
 SHINGLE = 5
 BANDS, ROWS = 20, 6
@@ -74,6 +74,7 @@ MAX_DUP_LINES, MAX_DUP_LINE_CHARS = 0.3, 0.2
 TOP_NGRAM_CHARS = ((2, 0.20), (3, 0.18), (4, 0.16))
 DUP_NGRAM_CHARS = ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10))
 SAMPLE_CHARS = 300
+KEY_BUFFER = 1 << 16  # keys a KeyTable holds in a dict before sorting them into a run (~6 MB)
 
 _NEWLINES = re.compile(r"\r\n?")
 _INVISIBLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u00ad\u200b-\u200d\u2060\ufeff]")
@@ -109,7 +110,7 @@ def normalize(text: str) -> str:
 
 
 def language(identifier, text: str, threshold: float) -> str | None:
-    """None when `text` is Azerbaijani in Latin script, else why not ("tr 0.98", "cyrillic")."""
+    """None when `text` is Azerbaijani in Latin script, else why not ("tr 0.98", "not Latin script")."""
     letters = len(_LETTER.findall(text))
     if letters and len(_LATIN.findall(text)) < 0.5 * letters:
         return "not Latin script"
@@ -248,25 +249,81 @@ def _run(batch: list[str]) -> dict:
 # ---------------------------------------------------------------- the main process
 
 
+class KeyTable:
+    """uint64 key -> the value first stored for it: a dict of recent keys, then sorted numpy runs (an LSM tree).
+
+    12 bytes a key once frozen, where a Python dict spends ~100. `frozen()` looks a whole batch of keys up in the
+    runs at once; keys added since the last `freeze()` are in `recent`. Runs of similar size are merged, so a
+    lookup searches O(log n) runs and each key is re-sorted O(log n) times.
+    """
+
+    def __init__(self, buffer: int | None = None):
+        self.recent: dict[int, int] = {}
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted keys, values), oldest first
+        self.buffer = buffer or KEY_BUFFER
+
+    def __len__(self) -> int:
+        return len(self.recent) + sum(len(k) for k, _ in self.runs)
+
+    def frozen(self, keys: np.ndarray) -> np.ndarray:
+        """The value of each key in the runs, -1 where it has none (the oldest run's value wins)."""
+        out = np.full(len(keys), -1, dtype=np.int64)
+        for k, v in self.runs:
+            i = np.minimum(np.searchsorted(k, keys), len(k) - 1)
+            hit = (k[i] == keys) & (out < 0)
+            out[hit] = v[i[hit]]
+        return out
+
+    def freeze(self) -> None:
+        """Between batches: once `recent` is full, sort it into a run and merge runs of similar size."""
+        if len(self.recent) < self.buffer:
+            return
+        keys = np.fromiter(self.recent.keys(), dtype=np.uint64, count=len(self.recent))
+        values = np.fromiter(self.recent.values(), dtype=np.uint32, count=len(self.recent))
+        order = np.argsort(keys, kind="stable")
+        self.runs.append((keys[order], values[order]))
+        self.recent = {}
+        while len(self.runs) > 1 and len(self.runs[-2][0]) <= 2 * len(self.runs[-1][0]):
+            (k1, v1), (k2, v2) = self.runs[-2], self.runs.pop()
+            keys, values = np.concatenate([k1, k2]), np.concatenate([v1, v2])
+            order = np.argsort(keys, kind="stable")  # stable: of equal keys the older run's comes first
+            keys, values = keys[order], values[order]
+            first = np.concatenate([[True], keys[1:] != keys[:-1]])
+            self.runs[-1] = (keys[first], values[first])
+
+
 class NearIndex:
-    """Signatures and band tables of the kept documents: finds an earlier near-duplicate or adds this one."""
+    """MinHash signatures of the kept documents and their band keys: an earlier near-duplicate, or index this one.
+
+    Per kept document: 120 signature values stored as their low 16 bits (240 bytes; two different values agree
+    by chance once in 65,536, which moves the estimate by < 0.0001) and 20 band keys (240 bytes).
+    """
+
+    BLOCK = 1 << 16  # signatures in fixed blocks: growing never copies what is stored
 
     def __init__(self, threshold: float):
         self.threshold, self.n = threshold, 0
-        self.tables: list[dict[int, int]] = [{} for _ in range(BANDS)]
-        self.sigs = np.empty((1024, NUM_PERM), dtype=np.uint32)
+        self.bands = KeyTable()
+        self.blocks: list[np.ndarray] = []
 
-    def match_or_add(self, sig: np.ndarray, keys: list[int]) -> tuple[int, float] | None:
+    def candidates(self, bands: np.ndarray) -> np.ndarray:
+        """(n, BANDS) band keys of a batch -> (n, BANDS) kept documents in the frozen runs sharing each (-1: none)."""
+        return self.bands.frozen(bands.reshape(-1)).reshape(bands.shape)
+
+    def match_or_add(self, sig: np.ndarray, keys: np.ndarray, frozen: np.ndarray) -> tuple[int, float] | None:
         """(kept document number, estimated Jaccard) of a near-duplicate; None (and indexed) when there is none."""
-        for j in dict.fromkeys(t[k] for t, k in zip(self.tables, keys) if k in t):
-            sim = float(np.count_nonzero(self.sigs[j] == sig)) / NUM_PERM
+        keys = keys.tolist()
+        found = [j for j in frozen.tolist() if j >= 0] + [self.bands.recent[k] for k in keys if k in self.bands.recent]
+        low = (sig & 0xFFFF).astype(np.uint16)
+        for j in dict.fromkeys(found):
+            sim = float(np.count_nonzero(self.blocks[j // self.BLOCK][j % self.BLOCK] == low)) / NUM_PERM
             if sim >= self.threshold:
                 return j, sim
-        if self.n == len(self.sigs):
-            self.sigs = np.concatenate([self.sigs, np.empty_like(self.sigs)])
-        self.sigs[self.n] = sig
-        for t, k in zip(self.tables, keys):
-            t.setdefault(k, self.n)
+        if self.n % self.BLOCK == 0:
+            self.blocks.append(np.empty((self.BLOCK, NUM_PERM), dtype=np.uint16))
+        self.blocks[-1][self.n % self.BLOCK] = low
+        for k in keys:
+            self.bands.recent.setdefault(k, self.n)
         self.n += 1
         return None
 
@@ -388,26 +445,31 @@ def clean_documents(documents: Iterable[str], rules: Rules, workers: int = 1) ->
     """
     if rules.dedup not in ("none", "exact", "near") or rules.lang not in ("az", "none"):
         raise ValueError(f"dedup must be none|exact|near and lang az|none, got {rules.dedup!r}, {rules.lang!r}")
-    seen: set[int] = set()
+    exact = KeyTable()
     index = NearIndex(rules.near_threshold) if rules.dedup == "near" else None
     for res in _processed(_batches(documents), Worker(rules), workers):
+        keys = np.array(res["keys"], dtype=np.uint64)
+        seen = exact.frozen(keys) >= 0  # the whole batch against the frozen runs at once
+        frozen = index.candidates(res["bands"]) if index is not None and res["bands"] is not None else None
         k = 0  # the survivors of steps 1-3 have their hashes in res["keys"], res["sigs"], in order
         for raw_bytes, text, why in res["docs"]:
             if why is not None:
                 yield Decision(raw_bytes, text, why[0], why[1], {"detail": why[2]} if why[2] else {})
                 continue
-            if res["keys"]:
-                if res["keys"][k] in seen:
+            i, k = k, k + 1
+            if len(keys):
+                if seen[i] or res["keys"][i] in exact.recent:
                     yield Decision(raw_bytes, text, "exact", "exact duplicate")
-                    k += 1
                     continue
-                seen.add(res["keys"][k])
-            match = index.match_or_add(res["sigs"][k], res["bands"][k].tolist()) if index else None
-            k += 1
+                exact.recent[res["keys"][i]] = 0
+            match = index.match_or_add(res["sigs"][i], res["bands"][i], frozen[i]) if index is not None else None
             if match is not None:
                 yield Decision(raw_bytes, text, "near", "near duplicate", {"kept": match[0], "similarity": match[1]})
                 continue
             yield Decision(raw_bytes, text)
+        exact.freeze()
+        if index is not None:
+            index.bands.freeze()
 
 
 def clean_corpus(

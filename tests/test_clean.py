@@ -118,6 +118,30 @@ def test_each_step_switches_off(planted):
     assert 0 < sum(k for k, lab in zip(raw, labels) if lab == "exact") < 40
 
 
+def test_dedup_indexes_give_the_same_result_once_their_keys_are_frozen_into_sorted_runs(planted, monkeypatch):
+    texts = [t for t, _, _ in planted]
+    before = [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())]
+    monkeypatch.setattr(clean, "KEY_BUFFER", 50)  # runs after every batch, merged as they pile up
+    assert [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())] == before
+
+
+def test_key_table_answers_like_a_dict_of_first_values():
+    rng = np.random.default_rng(0)
+    table, ref = clean.KeyTable(buffer=100), {}
+    for batch in range(40):
+        keys = rng.integers(0, 3000, 64, dtype=np.uint64) * np.uint64(2**52)  # repeats, and keys past 2^63
+        frozen = table.frozen(keys)
+        for key, hit in zip(keys.tolist(), frozen.tolist()):
+            got = hit if hit >= 0 else table.recent.get(key)
+            assert got == ref.get(key)
+            ref.setdefault(key, batch)
+            if hit < 0:
+                table.recent.setdefault(key, batch)
+        table.freeze()
+    stored = {key for keys, _ in table.runs for key in keys.tolist()} | set(table.recent)
+    assert len(table.runs) > 1 and stored == set(ref)
+
+
 # ---------------------------------------------------------------- the parts
 
 
