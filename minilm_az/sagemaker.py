@@ -8,7 +8,9 @@ hyperparameter, which the container hands back to the script as `--flag value`. 
 channels (`--data` -> `SM_CHANNEL_DATA`), the final model goes to `SM_MODEL_DIR` and is uploaded
 uncompressed, so one stage's output prefix is the next stage's input. The README's SageMaker section has the rest.
 
-The SageMaker SDK (2.x, `pip install -e ".[sagemaker]"`) is imported only inside `launch`;
+Either SageMaker Python SDK line launches the same job (`pip install -e ".[sagemaker]"`): 2.x through
+its PyTorch estimator (`launch_v2`), 3.x through ModelTrainer with Torchrun (`launch_v3`); the installed
+major version picks the backend, `--sdk v2|v3` forces one. The SDK is imported only inside `launch`;
 parsing, planning and the container-side helpers need nothing beyond the standard library.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -35,9 +39,26 @@ from minilm_az.config import CONTAINER_INPUT
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS_FILE = "requirements-sagemaker.txt"  # uploaded as requirements.txt, the only name the container installs
 ENTRY_WRAPPER = "sm_entry.py"  # root file: runs a script whose first argument is a subcommand
-FRAMEWORK_VERSION = "2.8.0"  # newest the 2.x SDK accepts for torch_distributed on GPU instances
+FRAMEWORK_VERSION = "2.8.0"  # newest PyTorch training image either SDK line lists (and 2.x accepts for torchrun)
 PY_VERSION = "py312"
 SCRIPT_KEY, COMMAND_KEY = "minilm-script", "minilm-command"  # hyperparameters read by sm_entry.py
+SDK_LINES = ("v2", "v3")
+V3_RESERVED_CHANNELS = ("code", "sm_drivers")  # ModelTrainer adds these itself: the code and its container drivers
+
+
+def sdk_version() -> str | None:
+    """The installed SageMaker Python SDK's version, read from its metadata (importing 2.x prints a warning)."""
+    try:
+        return importlib.metadata.version("sagemaker")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_sdk() -> str | None:
+    """The installed SDK line, "v2" or "v3" (None: not installed, or another major version)."""
+    line = f"v{(sdk_version() or '').split('.')[0]}"
+    return line if line in SDK_LINES else None
+
 
 # ---------------------------------------------------------------------------------------------
 # Metrics: CloudWatch reads these out of the `stream key=value ...` lines of minilm_az/logs.py.
@@ -256,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="stay attached and stream the job's logs (default: return once created)",
         )
         r.add_argument("--dry-run", action="store_true", help="print the request, send nothing")
+        r.add_argument(
+            "--sdk",
+            choices=SDK_LINES,
+            help="SageMaker Python SDK line to launch with (default: the installed one)",
+        )
     return p
 
 
@@ -307,6 +333,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         C.check_args(cls, container_args({k: json.dumps(v) for k, v in args.hyperparameters.items()}))
     except ValueError as e:
         parser.error(f"{STAGES[args.stage].script}: {e}")
+    installed = installed_sdk()
+    if args.sdk and args.sdk != installed:
+        have = f"sagemaker {sdk_version()}" if sdk_version() else "no sagemaker"
+        parser.error(
+            f"--sdk {args.sdk}: this environment has {have}; pip install "
+            + ("'sagemaker>=2.250,<3'" if args.sdk == "v2" else "'sagemaker>=3,<4'")
+        )
+    args.sdk = args.sdk or installed
+    if args.sdk == "v3":
+        for key, value in args.hyperparameters.items():
+            if "'" in str(value):
+                parser.error(
+                    f"--{key}: SDK 3.x's container writes hyperparameters into a shell file in '...' quotes, "
+                    "so a value with a single quote would reach the script altered; leave the quote out"
+                )
     if args.torchrun and not args.image_uri and not is_gpu_instance(args.instance_type):
         parser.error(
             f"--torchrun needs a GPU instance (ml.p*/ml.g*), not {args.instance_type}; "
@@ -321,10 +362,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @dataclass
 class JobPlan:
-    """One training job, fully resolved; `build_estimator` maps it onto the SDK."""
+    """One training job, fully resolved; `build_estimator` (2.x) or `build_model_trainer` (3.x) maps it onto the SDK."""
 
     stage: str
-    job_name: str
+    job_name: str  # 2.x creates the job under this name; 3.x under base_job_name plus its own timestamp
+    base_job_name: str
     entry_point: str
     hyperparameters: dict[str, Any]
     channels: dict[str, str]
@@ -390,6 +432,7 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     return JobPlan(
         stage=args.stage,
         job_name=job_name,
+        base_job_name=args.job_name or base,
         entry_point=ENTRY_WRAPPER if args.stage == "tokenize" else stage.script,
         hyperparameters=hps,
         channels=channels,
@@ -438,7 +481,7 @@ def stage_source_dir(dest: str | Path, *, gpu: bool, root: str | Path = PROJECT_
 
 
 def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Path):
-    """The SDK 2.x PyTorch estimator for `plan` (the one place that knows the SDK's constructor)."""
+    """SDK 2.x: the PyTorch estimator for `plan` (the one place that knows its constructor)."""
     from sagemaker.pytorch import PyTorch
 
     kwargs: dict[str, Any] = {}
@@ -475,6 +518,95 @@ def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Pat
     )
 
 
+def launch_v2(plan: JobPlan, session: Any, source_dir: str | Path, wait: bool) -> None:
+    """SDK 2.x: the estimator's `fit`, under the job name the plan chose. The image's toolkit runs the script."""
+    from sagemaker.inputs import TrainingInput
+
+    estimator = build_estimator(plan, session, source_dir)
+    inputs = {k: TrainingInput(v, input_mode=plan.input_mode) for k, v in plan.channels.items()}
+    estimator.fit(inputs=inputs, job_name=plan.job_name, wait=False)
+    if wait:
+        estimator.latest_training_job.wait(logs="All")
+
+
+def build_model_trainer(plan: JobPlan, session: Any, source_dir: str | Path):
+    """SDK 3.x: the ModelTrainer for `plan` (the one place that knows its configs, which refuse unknown fields)."""
+    from sagemaker.core import image_uris
+    from sagemaker.core.shapes import MetricDefinition
+    from sagemaker.core.training.configs import (
+        CheckpointConfig,
+        Compute,
+        OutputDataConfig,
+        SourceCode,
+        StoppingCondition,
+    )
+    from sagemaker.train.distributed import Torchrun
+    from sagemaker.train.model_trainer import ModelTrainer
+
+    image = plan.image_uri or image_uris.retrieve(  # no framework estimator in 3.x: the same image, named
+        "pytorch",
+        session.boto_region_name,
+        version=plan.framework_version,
+        py_version=plan.py_version,
+        instance_type=plan.instance_type,
+        image_scope="training",
+    )
+    checkpoint = CheckpointConfig(s3_uri=plan.checkpoint_uri, local_path=CHECKPOINT_LOCAL_PATH)
+    trainer = ModelTrainer(
+        sagemaker_session=session,
+        role=plan.role,
+        base_job_name=plan.base_job_name,  # the SDK appends a timestamp; launch reads the name back
+        input_s3_key_prefix=plan.code_location.split("/", 3)[3],  # code + drivers under PREFIX/code/JOB/input/
+        training_image=image,
+        # requirements are installed only when named here; code lands in /opt/ml/input/data/code
+        source_code=SourceCode(
+            source_dir=str(source_dir), entry_script=plan.entry_point, requirements="requirements.txt"
+        ),
+        distributed=Torchrun() if plan.torchrun else None,  # one process per GPU, as 2.x's torch_distributed
+        compute=Compute(
+            instance_type=plan.instance_type,
+            instance_count=plan.instance_count,
+            volume_size_in_gb=plan.volume_size,
+            enable_managed_spot_training=plan.spot,
+        ),
+        stopping_condition=StoppingCondition(
+            max_runtime_in_seconds=plan.max_run_s, max_wait_time_in_seconds=plan.max_wait_s
+        ),
+        output_data_config=OutputDataConfig(s3_output_path=plan.output_path, compression_type="NONE"),
+        checkpoint_config=checkpoint if plan.checkpoint_uri else None,
+        training_input_mode=plan.input_mode,
+        hyperparameters=v3_hyperparameters(plan.hyperparameters),
+        environment=dict(plan.environment),
+    )
+    if plan.metric_definitions:
+        metrics = [MetricDefinition(name=m["Name"], regex=m["Regex"]) for m in plan.metric_definitions]
+        trainer.with_metric_definitions(metrics)
+    return trainer
+
+
+def launch_v3(plan: JobPlan, session: Any, source_dir: str | Path, wait: bool) -> None:
+    """SDK 3.x: ModelTrainer's `train`. Its own sm_train.sh replaces the image's entry point and runs the script."""
+    from sagemaker.core.shapes import Channel, DataSource, S3DataSource
+
+    trainer = build_model_trainer(plan, session, source_dir)
+    channels = [  # Channel, not InputData: InputData would fix every channel's mode to File
+        Channel(
+            channel_name=name,
+            data_source=DataSource(
+                s3_data_source=S3DataSource(
+                    s3_data_type="S3Prefix", s3_uri=uri, s3_data_distribution_type="FullyReplicated"
+                )
+            ),
+            input_mode=plan.input_mode,
+        )
+        for name, uri in plan.channels.items()
+    ]
+    trainer.train(input_data_config=channels, wait=wait, logs=wait)
+
+
+BACKENDS = {"v2": launch_v2, "v3": launch_v3}
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch
 
@@ -483,9 +615,11 @@ def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Pat
 class Launched:
     """What was (or, with --dry-run, would have been) sent."""
 
-    plan: JobPlan
+    plan: JobPlan  # job_name is the job's real name, read back from the request
     request: dict[str, Any]  # CreateTrainingJob parameters exactly as handed to botocore
     sent: bool
+    sdk: str = "v2"  # the SDK line that sent it
+    region: str = ""
 
     @property
     def job_name(self) -> str:
@@ -499,9 +633,25 @@ class _FakeHTTP:
     content = b""
 
 
-def _offline_response(model: Any, **_: Any):
+def _offline_response(captured: dict[str, Any]):
     """before-call handler for --dry-run: answer every AWS call locally, so nothing leaves the machine."""
-    return _FakeHTTP(), {"TrainingJobArn": "arn:aws:sagemaker:dry-run"} if model.name == "CreateTrainingJob" else {}
+
+    def answer(model: Any, **_: Any):
+        if model.name == "CreateTrainingJob":
+            return _FakeHTTP(), {"TrainingJobArn": "arn:aws:sagemaker:dry-run"}
+        if model.name == "ListBuckets":  # 3.x looks for its staging bucket even when told which one
+            return _FakeHTTP(), {"Buckets": []}
+        if model.name == "DescribeTrainingJob" and captured:  # 3.x reads the job back after creating it
+            return _FakeHTTP(), {**captured, "TrainingJobArn": "arn:aws:sagemaker:dry-run"}
+        return _FakeHTTP(), {}
+
+    return answer
+
+
+V2_NOTICE = (
+    "note: SageMaker Python SDK {version} is the 2.x line, in maintenance mode until its end of support on "
+    "2027-07-06; pip install 'sagemaker>=3,<4' and the same command launches through 3.x"
+)
 
 
 def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path | None = None) -> Launched:
@@ -510,12 +660,15 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
     for name in {STAGES[args.stage].script, ENTRY_WRAPPER}:
         if not (root / name).is_file():
             raise SystemExit(f"error: {root / name} does not exist; launch from a checkout of the project")
-    os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
-    logging.getLogger("sagemaker.config").setLevel(logging.WARNING)  # its INFO lines would spoil --dry-run > file
+    sdk = getattr(args, "sdk", None) or installed_sdk()
+    if sdk is None:
+        raise SystemExit("error: no SageMaker Python SDK here: pip install -e '.[sagemaker]'")
+    if sdk == "v2":  # its own warning is four lines, printed twice
+        os.environ.setdefault("SAGEMAKER_SUPPRESS_V2_WARNING", "1")
+        print(V2_NOTICE.format(version=sdk_version()), file=sys.stderr)
+    for name in ("sagemaker.config", "sagemaker", "sagemaker_core"):  # INFO lines would spoil --dry-run > file
+        logging.getLogger(name).setLevel(logging.WARNING)
     import boto3
-    import sagemaker
-    from sagemaker.config import TRAINING_JOB_ROLE_ARN_PATH
-    from sagemaker.utils import resolve_value_from_config
 
     boto_session = boto_session or boto3.Session(profile_name=args.profile, region_name=args.region)
     region = boto_session.region_name
@@ -529,19 +682,18 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
 
     hooks = [("before-parameter-build.sagemaker.CreateTrainingJob", capture)]
     if args.dry_run:
-        hooks.append(("before-call", _offline_response))
+        hooks.append(("before-call", _offline_response(captured)))
     for event, fn in hooks:  # before the SDK session exists: clients copy the handlers they are born with
         boto_session.events.register(event, fn)
+    validate_role = os.environ.get("SAGEMAKER_VALIDATE_ROLE")
+    if args.dry_run:  # 3.x checks the role's policies through IAM, which a dry run does not ask
+        os.environ["SAGEMAKER_VALIDATE_ROLE"] = "false"
     try:
-        _silence_sdk_telemetry()
-        session = sagemaker.Session(boto_session=boto_session, default_bucket=args.bucket)
-        if args.bucket:
-            bucket = args.bucket
-        elif args.dry_run:
-            bucket = f"sagemaker-{region}-ACCOUNT"
-        else:
-            bucket = session.default_bucket()
-        role = args.role or resolve_value_from_config(None, TRAINING_JOB_ROLE_ARN_PATH, sagemaker_session=session)
+        _silence_sdk_telemetry(sdk)
+        bucket = args.bucket or (f"sagemaker-{region}-ACCOUNT" if args.dry_run else None)
+        session, role = _sdk_session(sdk, boto_session, bucket)
+        bucket = bucket or session.default_bucket()
+        role = args.role or role
         if not role:
             if not args.dry_run:
                 raise SystemExit(
@@ -552,36 +704,50 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
         plan = plan_job(args, bucket=bucket, role=role)
         with tempfile.TemporaryDirectory(prefix="minilm-az-src-") as tmp:
             src = stage_source_dir(tmp, gpu=is_gpu_instance(plan.instance_type), root=root)
-            estimator = build_estimator(plan, session, src)
-            estimator.fit(
-                inputs={k: _channel_input(v, plan.input_mode) for k, v in plan.channels.items()},
-                job_name=plan.job_name,
-                wait=False,
-            )
-        if args.wait and not args.dry_run:
-            estimator.latest_training_job.wait(logs="All")
+            BACKENDS[sdk](plan, session, src, args.wait and not args.dry_run)
     finally:
         for event, fn in hooks:
             boto_session.events.unregister(event, fn)
-    return Launched(plan=plan, request=captured, sent=not args.dry_run)
+        if args.dry_run:
+            os.environ.pop("SAGEMAKER_VALIDATE_ROLE", None)
+            if validate_role is not None:
+                os.environ["SAGEMAKER_VALIDATE_ROLE"] = validate_role
+    if not captured:
+        raise RuntimeError(f"the SDK ({sdk}) sent no CreateTrainingJob request")
+    plan = dataclasses.replace(plan, job_name=captured["TrainingJobName"])
+    return Launched(plan=plan, request=captured, sent=not args.dry_run, sdk=sdk, region=region)
 
 
-def _silence_sdk_telemetry() -> None:
-    """The SDK reports each call over plain HTTPS, outside botocore: a dry run must send nothing.
+def _sdk_session(sdk: str, boto_session: Any, bucket: str | None) -> tuple[Any, str | None]:
+    """The SDK's session and the execution role its config file names (None: none)."""
+    if sdk == "v2":
+        import sagemaker
+        from sagemaker.config import TRAINING_JOB_ROLE_ARN_PATH
+        from sagemaker.utils import resolve_value_from_config
+
+        session = sagemaker.Session(boto_session=boto_session, default_bucket=bucket)
+    else:
+        from sagemaker.core.common_utils import resolve_value_from_config
+        from sagemaker.core.config.config_schema import TRAINING_JOB_ROLE_ARN_PATH
+        from sagemaker.core.helper.session_helper import Session
+
+        session = Session(boto_session=boto_session, default_bucket=bucket)
+    return session, resolve_value_from_config(None, TRAINING_JOB_ROLE_ARN_PATH, sagemaker_session=session)
+
+
+def _silence_sdk_telemetry(sdk: str) -> None:
+    """Each SDK reports each call over plain HTTPS, outside botocore: a dry run must send nothing.
 
     Its own switch (TelemetryOptOut in the SDK config) makes every config lookup re-validate a large
     JSON schema, ~10 s per launch, so the sender is replaced instead.
     """
-    from sagemaker.telemetry import telemetry_logging
+    if sdk == "v2":
+        from sagemaker.telemetry import telemetry_logging
+    else:
+        from sagemaker.core.telemetry import telemetry_logging
 
     if hasattr(telemetry_logging, "_send_telemetry_request"):
         telemetry_logging._send_telemetry_request = lambda *a, **k: None
-
-
-def _channel_input(uri: str, input_mode: str):
-    from sagemaker.inputs import TrainingInput
-
-    return TrainingInput(uri, input_mode=input_mode)
 
 
 def container_args(hyperparameters: dict[str, str]) -> list[str]:
@@ -603,8 +769,43 @@ def container_args(hyperparameters: dict[str, str]) -> list[str]:
     return out
 
 
-def container_command(plan: JobPlan, hyperparameters: dict[str, str]) -> str:
+def v3_hyperparameters(hyperparameters: dict[str, Any]) -> dict[str, str]:
+    """HyperParameters for SDK 3.x: JSON-encoded like 2.x's, and encoded twice where the container's two
+    decodings (environment.py, then the driver) would change the string the script gets ("3e-4" -> 0.0003)."""
+    out = {}
+    for k, v in hyperparameters.items():
+        once = json.dumps(v)
+        out[k] = once if container_args_v3({k: once}) == [f"--{k}", str(v)] else json.dumps(once)
+    return out
+
+
+def _json_or_raw(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def container_args_v3(hyperparameters: dict[str, str]) -> list[str]:
+    """The argv SDK 3.x's container drivers build from the request's HyperParameters.
+
+    As sagemaker/train/container_drivers does it: request order; environment.py JSON-decodes each value into
+    SM_HPS, the driver decodes it again and prints a string as it is, anything else as JSON; `--key` always.
+    """
+    out = []
+    for k, raw in hyperparameters.items():
+        v = _json_or_raw(_json_or_raw(raw))
+        out += [f"--{k}", v if isinstance(v, str) else json.dumps(v)]
+    return out
+
+
+def container_command(plan: JobPlan, hyperparameters: dict[str, str], sdk: str = "v2") -> str:
     """What runs on each instance, in shell words (for the dry-run printout)."""
+    if sdk == "v3":
+        launcher = "torchrun --nnodes=N --nproc_per_node=GPUS " if plan.torchrun else "python "
+        return launcher + " ".join([plan.entry_point] + container_args_v3(hyperparameters))
     launcher = "torchrun --nnodes N --nproc_per_node GPUS --node_rank R ... " if plan.torchrun else "python "
     return launcher + " ".join([plan.entry_point] + container_args(hyperparameters))
 
@@ -623,12 +824,12 @@ def main(argv: list[str] | None = None) -> int:
     plan, req = launched.plan, launched.request
     if args.dry_run:
         print(json.dumps(req, indent=2, default=str))
-    region = (req.get("HyperParameters") or {}).get("sagemaker_region", '""').strip('"')
+    region = launched.region
     print(
         f"{'dry run, nothing sent: would create' if args.dry_run else 'created'} training job {plan.job_name}",
         file=sys.stderr,
     )
-    print(f"  runs:        {container_command(plan, req.get('HyperParameters', {}))}", file=sys.stderr)
+    print(f"  runs:        {container_command(plan, req.get('HyperParameters', {}), launched.sdk)}", file=sys.stderr)
     print(f"  model to:    {plan.model_uri}", file=sys.stderr)
     if plan.checkpoint_uri:
         print(f"  checkpoints: {plan.checkpoint_uri}  (pass --checkpoint-s3 with this to resume)", file=sys.stderr)
@@ -683,25 +884,34 @@ def run_entry(argv: list[str], root: str | Path) -> None:
 
 
 __all__ = [
+    "BACKENDS",
     "FINETUNE_METRICS",
+    "SDK_LINES",
     "STAGES",
     "TRAIN_METRICS",
     "JobPlan",
     "Launched",
     "Stage",
     "build_estimator",
+    "build_model_trainer",
     "build_parser",
     "container_args",
+    "container_args_v3",
     "container_command",
     "entry_argv",
+    "installed_sdk",
     "is_gpu_instance",
     "launch",
+    "launch_v2",
+    "launch_v3",
     "main",
     "parse_args",
     "parse_passthrough",
     "plan_job",
     "run_entry",
+    "sdk_version",
     "stage_source_dir",
+    "v3_hyperparameters",
 ]
 
 if __name__ == "__main__":
