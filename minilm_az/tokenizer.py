@@ -32,6 +32,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
+import zstandard
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
@@ -394,18 +395,10 @@ def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str
                     yield doc
             if paragraph:
                 yield "\n".join(paragraph)
-        except (EOFError, gzip.BadGzipFile, OSError, zlib.error, _ZstdError) as e:  # zlib.error: bad deflate data
+        except (EOFError, gzip.BadGzipFile, OSError, zlib.error, zstandard.ZstdError) as e:  # zlib: bad deflate
             raise CorpusError(f"{path}: cannot read ({e}); is it a complete, uncorrupted file?") from None
         if on_bytes is not None:
             on_bytes(raw.tell() - reported)
-
-
-try:
-    from zstandard import ZstdError as _ZstdError
-except ImportError:  # only .zst input needs it; _decompressed says so
-
-    class _ZstdError(Exception):
-        pass
 
 
 def _decompressed(raw, path: str):
@@ -413,21 +406,15 @@ def _decompressed(raw, path: str):
     if path.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if path.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise CorpusError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from None
         # read_across_frames: a file made of several concatenated frames (zstd's streaming writers) reads whole
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
     return raw
 
 
 def _parquet_documents(path: str, text_field: str, on_bytes) -> Iterator[str]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise CorpusError(f"{path}: reading .parquet needs the pyarrow package (pip install pyarrow)") from None
+    import pyarrow as pa  # here, not at the top: a 0.2 s import that only Parquet input needs
+    import pyarrow.parquet as pq
+
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
