@@ -118,6 +118,25 @@ def test_each_step_switches_off(planted):
     assert 0 < sum(k for k, lab in zip(raw, labels) if lab == "exact") < 40
 
 
+def test_input_is_streamed_a_bounded_window_at_a_time():
+    lines = open(os.path.join(DATA, "kde.txt"), encoding="utf-8").read().splitlines()
+    consumed = 0
+
+    def endless():  # far more documents than the window; never materialised
+        nonlocal consumed
+        while True:
+            for line in lines:
+                consumed += 1
+                yield line
+
+    decisions = clean.clean_documents(endless(), clean.Rules(dedup="exact"), workers=2)
+    for _ in range(6000):
+        next(decisions)
+    # 2 batches per worker in flight plus the one being filled: the rest of the input is never read ahead
+    assert consumed <= 6000 + 5 * 512, consumed
+    decisions.close()
+
+
 def test_dedup_indexes_give_the_same_result_once_their_keys_are_frozen_into_sorted_runs(planted, monkeypatch):
     texts = [t for t, _, _ in planted]
     before = [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())]
