@@ -53,9 +53,16 @@ def quick_demo(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def aws(monkeypatch):
-    """A boto3 session inside moto's mock: fake credentials, a region, no config files, no metadata calls."""
+def aws(request, monkeypatch):
+    """A boto3 session inside moto's mock: fake credentials, a region, no config files, no metadata calls.
+
+    A test that launches needs the SDK line it asserts about: 3.x if marked `sdk3`, else 2.x."""
+    from minilm_az.sagemaker import installed_sdk, sdk_version
+
     pytest.importorskip("sagemaker")
+    want = "v3" if request.node.get_closest_marker("sdk3") else "v2"
+    if installed_sdk() != want:
+        pytest.skip(f"launches through SageMaker SDK {want[1]}.x; this environment has {sdk_version()}")
     moto = pytest.importorskip("moto")
     import boto3
 

@@ -16,7 +16,7 @@ builds what the instance would see from the CreateTrainingJob request alone:
   bytes the launcher uploaded) and extracts it;
 - /opt/ml/model (its own mount, empty), the checkpoint LocalPath (empty), /opt/ml/output;
 
-and runs the image's entry point, `sagemaker_training.cli.train` (the real toolkit, sagemaker-training)
+and, for an SDK 2.x request, runs the image's entry point, `sagemaker_training.cli.train` (the real toolkit)
 with SAGEMAKER_TRAINING_MODULE=sagemaker_pytorch_container.training:main, as the AWS PyTorch image sets it
 (the real sagemaker-pytorch-training package when installed; else, or with SM_CONTAINER_FRAMEWORK=fallback,
 `pytorch_training_main` below, which calls the same sagemaker_training pieces). The toolkit computes SM_*
@@ -36,6 +36,15 @@ Fallback ("patched"; force it with SM_CONTAINER_ISOLATION=patched): /opt/ml is a
 directory for the duration of the run (under a lock; refused if /opt/ml already exists), and a
 sitecustomize on PYTHONPATH makes os.rename/os.replace across /opt/ml/model raise EXDEV and os.rmdir of it
 (hence shutil.rmtree) raise EBUSY, in every Python process of the job.
+
+An SDK 3.x request (ModelTrainer) replaces the image's entry point: its ContainerEntrypoint and
+ContainerArguments (`/bin/bash -c ".../sm_drivers/sm_train.sh"`) run as they are, over the `code` and
+`sm_drivers` channels the SDK uploaded (downloaded like any channel). SDK's environment.py writes
+sm_training.env, sm_train.sh sources it, cds to /opt/ml/input/data/code and runs the Torchrun or basic
+driver, which builds `--key value` argv from SM_HPS. Two departures, both logged: requirements are not
+pip-installed (the drivers' install_requirements.py becomes a stub that checks the file is there), and
+an `nvidia-smi` on PATH reports `nproc` GPUs, so the Torchrun driver starts `nproc` processes per host
+(torch still finds no CUDA and trains on the CPU).
 
 This module's top level needs only the standard library: `replay` copies it into the job's directory and
 runs it there as the driver (`python sm_container.py --driver SPEC`).
@@ -90,6 +99,7 @@ def aws_test_env() -> dict[str, str]:
         "AWS_CONFIG_FILE": "/nonexistent",
         "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
         "SAGEMAKER_SUPPRESS_V2_WARNING": "1",
+        "SAGEMAKER_VALIDATE_ROLE": "false",  # 3.x would ask IAM (SimulatePrincipalPolicy) about the role
     }
 
 
@@ -236,8 +246,36 @@ def prepare(session: Any, request: dict, workdir: str | Path) -> Path:
     if ckpt:
         _write_json(cfg / "checkpointconfig.json", ckpt)
         (root / _under_opt_ml(ckpt.get("LocalPath", "/opt/ml/checkpoints"))).mkdir(parents=True)
-    (harness / "sourcedir.tar.gz").write_bytes(source_tarball(session, request))
+    if is_v3(request):
+        stub = root / "input" / "data" / "sm_drivers" / "scripts" / "install_requirements.py"
+        if not stub.is_file():
+            raise HarnessError(f"the sm_drivers channel has no {stub.relative_to(root)}")
+        stub.write_text(INSTALL_STUB)
+    else:
+        (harness / "sourcedir.tar.gz").write_bytes(source_tarball(session, request))
     return root
+
+
+def is_v3(request: dict) -> bool:
+    """An SDK 3.x (ModelTrainer) request: it brings its own entry point instead of the image's toolkit."""
+    return bool((request.get("AlgorithmSpecification") or {}).get("ContainerEntrypoint"))
+
+
+# The drivers' install_requirements.py, replaced: this environment already has the project and its dependencies.
+INSTALL_STUB = r"""
+import os, sys
+req = sys.argv[1]
+if not os.path.isfile(req):
+    sys.exit(f"sm_container: {os.getcwd()}/{req} does not exist (pip install -r would fail)")
+print(f"sm_container: skipped `pip install -r {req}` in {os.getcwd()}: the test environment already has "
+      "the project and its dependencies", flush=True)
+"""
+
+# What the instance's GPUs look like to environment.py (SM_NUM_GPUS), and so to the Torchrun driver.
+FAKE_NVIDIA_SMI = r"""#!/bin/sh
+[ "$1" = "--list-gpus" ] || { echo "sm_container: this nvidia-smi only answers --list-gpus" >&2; exit 1; }
+i=0; while [ $i -lt @N@ ]; do echo "GPU $i: simulated by sm_container (UUID: GPU-sm-$i)"; i=$((i+1)); done
+"""
 
 
 def container_env(request: dict) -> dict[str, str]:
@@ -288,6 +326,7 @@ class ContainerRun:
     output_dir: Path  # /opt/ml/output (success / failure files)
     isolation: str  # "namespace" or "patched"
     seconds: float
+    sdk: str = "v2"  # which SDK line's request: "v2" ran the image's toolkit, "v3" its own sm_train.sh
 
     @property
     def failure(self) -> str | None:
@@ -312,9 +351,13 @@ class ContainerRun:
     def program_output(self) -> str:
         """Only what the program printed: the lines after the toolkit's command line, without its log lines."""
         cmd = " ".join(self.command or [])
-        log = self.log
-        at = log.find("\n" + cmd + "\n") if cmd else -1
-        lines = (log[at + len(cmd) + 2 :] if at >= 0 else log).splitlines()
+        log, start = self.log, 0
+        for before in ("\n", "\nExecuting command: ") if cmd else ():  # 2.x's toolkit, 3.x's driver
+            at = log.find(before + cmd + "\n")
+            if at >= 0:
+                start = at + len(before) + len(cmd) + 1
+                break
+        lines = log[start:].splitlines()
         return "\n".join(ln for ln in lines if not _TOOLKIT_LINE.match(ln)) + "\n"
 
     def explain(self, tail: int = 6000) -> str:
@@ -330,6 +373,7 @@ class ContainerRun:
 _TOOLKIT_LINE = re.compile(
     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ +(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
     r"|sm_container: "
+    r"|\++ "  # sm_train.sh's `set -x` trace
 )
 
 
@@ -377,12 +421,16 @@ def isolation_mode() -> str:
     return "namespace" if namespace_flags() else "patched"
 
 
-def unavailable() -> str | None:
-    """Why no replay can run on this machine (None: it can): for a test to skip with."""
-    try:
-        import sagemaker_training.cli.train  # noqa: F401
-    except ImportError as e:
-        return f"the container toolkit is not installed (pip install sagemaker-training): {e}"
+def unavailable(sdk: str = "v2") -> str | None:
+    """Why no replay of an `sdk` ("v2", "v3") request can run on this machine (None: it can), to skip with."""
+    if sdk == "v3":
+        if not shutil.which("bash"):
+            return "no bash here to run the 3.x request's sm_train.sh"
+    else:
+        try:
+            import sagemaker_training.cli.train  # noqa: F401
+        except ImportError as e:
+            return f"the container toolkit is not installed (pip install sagemaker-training): {e}"
     try:
         mode = isolation_mode()
     except HarnessError as e:
@@ -422,6 +470,7 @@ def run_container(
     root, harness = workdir / "opt_ml", workdir / "harness"
     mode = isolation_mode()
     ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
+    alg = request.get("AlgorithmSpecification") or {}
     spec = {
         "mode": mode,
         "root": str(root),
@@ -430,7 +479,8 @@ def run_container(
         "program": program,
         "model_copy": str(workdir / "model"),
         "status": str(harness / "status.json"),
-        "submit_dir": json.loads(request["HyperParameters"]["sagemaker_submit_directory"]),
+        "submit_dir": json.loads(request["HyperParameters"].get("sagemaker_submit_directory", "null")),
+        "entrypoint": (alg.get("ContainerEntrypoint") or []) + (alg.get("ContainerArguments") or []),
     }
     shutil.copy2(__file__, harness / "sm_container.py")
     (harness / "hosts").write_text(
@@ -438,6 +488,12 @@ def run_container(
     )
     _write_json(harness / "spec.json", spec)
     env = container_env(request)
+    if spec["entrypoint"]:  # 3.x: the instance's GPUs, as nvidia-smi lists them
+        (harness / "bin").mkdir()
+        smi = harness / "bin" / "nvidia-smi"
+        smi.write_text(FAKE_NVIDIA_SMI.replace("@N@", str(nproc)))
+        smi.chmod(0o755)
+        env["PATH"] = f"{harness / 'bin'}{os.pathsep}{env['PATH']}"
     driver = [sys.executable, str(harness / "sm_container.py"), "--driver", str(harness / "spec.json")]
     lock = None
     if mode == "namespace":
@@ -466,10 +522,20 @@ def run_container(
             f"the harness failed ({status.get('error') or 'no status'}), exit {proc.returncode}\n"
             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}"
         )
+    command, program_rc = status.get("command"), status.get("program_returncode")
+    if spec["entrypoint"] and not program:  # 3.x: its driver logs the command and how it ended
+        ran = re.search(r"^Executing command: (.*)$", log, re.M)
+        failed = re.search(r"^Command failed with exit code (-?\d+)", log, re.M)
+        command = ran.group(1).split() if ran else None
+        program_rc = int(failed.group(1)) if failed else (0 if ran and proc.returncode == 0 else None)
+        print(
+            f"sm_container: nvidia-smi listed {nproc} simulated GPUs; requirements.txt was not pip-installed",
+            file=sys.stderr,
+        )
     return ContainerRun(
         returncode=proc.returncode,
-        program_returncode=status.get("program_returncode"),
-        command=status.get("command"),
+        program_returncode=program_rc,
+        command=command,
         stdout=out,
         stderr=err,
         log=log,
@@ -478,6 +544,7 @@ def run_container(
         output_dir=root / "output",
         isolation=mode,
         seconds=time.time() - t0,
+        sdk="v3" if spec["entrypoint"] else "v2",
     )
 
 
@@ -758,7 +825,7 @@ def _driver(spec_path: str) -> int:
         probe = os.path.join(OPT_ML, "input", "config", "hyperparameters.json")
         if not os.path.isfile(probe):
             raise HarnessError(f"{probe} is not there: the container view was not set up")
-        if not spec["program"]:
+        if not spec["program"] and not spec["entrypoint"]:
             _patch_toolkit(spec, status)
             from sagemaker_training.cli import train as toolkit_train
     except Exception:
@@ -774,6 +841,8 @@ def _driver(spec_path: str) -> int:
             status["command"] = spec["program"]
             code = subprocess.run(spec["program"], cwd=os.path.join(OPT_ML, "code")).returncode
             status["program_returncode"] = code
+        elif spec["entrypoint"]:  # 3.x: the request's own entry point, as the platform starts it
+            code = subprocess.run(spec["entrypoint"], cwd="/").returncode
         else:
             try:
                 toolkit_train.main()  # trainer.train() always ends in sys.exit
@@ -802,6 +871,7 @@ __all__ = [
     "aws_test_env",
     "container_env",
     "input_flags",
+    "is_v3",
     "isolation_mode",
     "launch",
     "namespace_flags",

@@ -6,7 +6,8 @@ sagemaker-training's entry point, which maps the hyperparameters to argv and sta
 or `torchrun ... train.py ...`. What fails here fails on SageMaker: flags the container spells
 differently from the launcher, channels that arrive but are never read, renames into /opt/ml/model.
 The first tests check the harness itself with probe programs, so a harness fault never reads as a
-product one.
+product one. Tests parametrized over `sdk` replay the request each SDK line sends: v2's through the image's
+toolkit, v3's through its own sm_train.sh and drivers (marked `sdk3`; each runs where its SDK is installed).
 """
 
 from __future__ import annotations
@@ -34,16 +35,24 @@ CHAT, CHAT_VAL = ROOT / "data" / "chat" / "az_chat.jsonl", ROOT / "data" / "chat
 
 
 @pytest.fixture
-def aws(aws):
+def aws(aws, request):
     """conftest's moto-mocked boto3 session, where this machine can replay a container at all."""
-    why = smc.unavailable()
+    why = smc.unavailable("v3" if request.node.get_closest_marker("sdk3") else "v2")
     if why:
         pytest.skip(why)
     return aws
 
 
-def replay(aws, argv, tmp_path, inputs=None, root=ROOT, **kw) -> smc.ContainerRun:
-    launched = smc.launch(aws, argv, inputs=inputs, root=root)
+SDKS = ["v2", pytest.param("v3", marks=pytest.mark.sdk3)]  # conftest's aws skips the one not installed
+TORCHRUN = {  # how each SDK line's container starts train.py (nproc 2: the harness's GPUs)
+    "v2": ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"],
+    "v3": ["torchrun", "--nnodes=1", "--nproc_per_node=2", "train.py"],
+}
+
+
+def replay(aws, argv, tmp_path, inputs=None, root=ROOT, sdk=None, **kw) -> smc.ContainerRun:
+    launched = smc.launch(aws, argv + (["--sdk", sdk] if sdk else []), inputs=inputs, root=root)
+    assert launched.sdk == (sdk or "v2")
     return smc.replay(aws, launched, workdir=tmp_path / "job", **kw)
 
 
@@ -135,8 +144,10 @@ def run_hps(tmp_path) -> dict:
 
 
 def code_dir(run: smc.ContainerRun, tmp_path) -> str:
-    """/opt/ml/code as a program sees it (patched isolation: /opt/ml is a symlink, which getcwd resolves)."""
-    return "/opt/ml/code" if run.isolation == "namespace" else str((tmp_path / "job" / "opt_ml" / "code").resolve())
+    """Where the code runs as a program sees it: /opt/ml/code (2.x) or /opt/ml/input/data/code (3.x)
+    (patched isolation: /opt/ml is a symlink, which getcwd resolves)."""
+    rel = "code" if run.sdk == "v2" else "input/data/code"
+    return f"/opt/ml/{rel}" if run.isolation == "namespace" else str((tmp_path / "job" / "opt_ml" / rel).resolve())
 
 
 def toolkit_argv(hps: dict) -> list[str]:
@@ -149,6 +160,10 @@ def toolkit_argv(hps: dict) -> list[str]:
 
 def _probe(run: smc.ContainerRun, tag: str = "PROBE") -> list[dict]:
     return [json.loads(m.group(1)) for m in re.finditer(rf"^{tag} (.*)$", run.log, re.M)]
+
+
+def env_of(probes: list[dict]) -> dict:
+    return probes[0]["env"]
 
 
 def test_harness_view_has_the_request_the_channels_and_a_separate_model_mount(aws, tmp_path, corpus_dir):
@@ -207,42 +222,57 @@ def probe_project(tmp_path) -> Path:
     return root
 
 
-def test_harness_runs_train_under_the_toolkits_torchrun_with_its_argv_and_env(aws, tmp_path, probe_project, shards_dir):
+@pytest.mark.parametrize("sdk", SDKS)
+def test_harness_runs_train_under_the_containers_torchrun_with_its_argv_and_env(
+    sdk, aws, tmp_path, probe_project, shards_dir
+):
     run = replay(
         aws,
         ["train", "--phase", "2", "--steps", "4", "--no-liger", "--lr", "3e-4"],
         tmp_path,
         inputs={"--data": shards_dir},
         root=probe_project,
+        sdk=sdk,
     )
     assert run.returncode == 0 and run.program_returncode == 0, run.explain()
-    assert run.command[:6] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"], run.command
+    assert run.sdk == sdk and run.command[: len(TORCHRUN[sdk])] == TORCHRUN[sdk], run.command
     probes = _probe(run)
     assert sorted(p["env"]["RANK"] for p in probes) == ["0", "1"] and probes[0]["env"]["WORLD_SIZE"] == "2"
     hps = run_hps(tmp_path)
     argv = probes[0]["argv"][1:]
-    assert argv == toolkit_argv(hps) == sm.container_args(hps)  # the launcher's model of the container holds
+    if sdk == "v2":
+        assert argv == toolkit_argv(hps) == sm.container_args(hps)  # the launcher's model of the container holds
+        assert json.loads(env_of(probes)["SM_USER_ARGS"]) == argv
+    else:
+        assert argv == sm.container_args_v3(hps)
     assert {("--liger", "false"), ("--lr", "3e-4"), ("--phase", "2"), ("--steps", "4")} <= set(zip(argv, argv[1:]))
-    env = probes[0]["env"]
+    env = env_of(probes)
     assert env["SM_CHANNEL_DATA"] == "/opt/ml/input/data/data" and env["SM_MODEL_DIR"] == "/opt/ml/model"
-    assert json.loads(env["SM_HPS"]) == {k: json.loads(v) for k, v in hps.items() if not k.startswith("sagemaker_")}
-    assert json.loads(env["SM_USER_ARGS"]) == argv
+    decoded = {k: json.loads(v) for k, v in hps.items() if not k.startswith("sagemaker_")}
+    assert json.loads(env["SM_HPS"]) == decoded
     assert probes[0]["path"][0] == code_dir(run, tmp_path)  # the uploaded code, not this checkout
     assert run.model_files() == ["probe.json"] and run.checkpoint_files() == ["phase2/probe"]
-    assert (run.output_dir / "success").is_file()
+    assert (run.output_dir / "success").is_file() == (sdk == "v2")  # 3.x's sm_train.sh leaves no such file
 
 
-def test_harness_reports_a_failing_program_as_a_failed_job(aws, tmp_path, probe_project, base_model_dir):
+@pytest.mark.parametrize("sdk", SDKS)
+def test_harness_reports_a_failing_program_as_a_failed_job(sdk, aws, tmp_path, probe_project, base_model_dir):
     run = replay(
         aws,
         ["finetune", "--steps", "3"],
         tmp_path,
         inputs={"--data": CHAT, "--model": base_model_dir},
         root=probe_project,
+        sdk=sdk,
     )
     assert run.program_returncode == 3 and run.returncode != 0, run.explain()
-    assert run.command[1:3] == ["--", "finetune.py"] and "torchrun" not in run.command, run.command
-    assert run.failure and "ExecuteUserScriptError" in run.failure
+    assert "torchrun" not in run.command, run.command
+    if sdk == "v2":
+        assert run.command[1:3] == ["--", "finetune.py"], run.command
+        assert run.failure and "ExecuteUserScriptError" in run.failure
+    else:
+        assert run.command[1:3] == ["finetune.py", "--model"], run.command
+        assert run.failure and "CalledProcessError" in run.failure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,12 +285,14 @@ def _metric_values(log: str, name: str, metrics=sm.TRAIN_METRICS) -> list[float]
 
 
 @pytest.mark.slow
-def test_tokenize_train_with_passthrough_flags_writes_the_tokenizer_to_the_model_dir(aws, tmp_path, corpus_dir):
+@pytest.mark.parametrize("sdk", SDKS)
+def test_tokenize_train_with_passthrough_flags_writes_the_tokenizer_to_the_model_dir(sdk, aws, tmp_path, corpus_dir):
     run = replay(
         aws,
         ["tokenize", "train", "--vocab-size", "400", "--no-progress", "--overwrite"],
         tmp_path,
         inputs={"--corpus": corpus_dir},
+        sdk=sdk,
     )
     assert run.returncode == 0, run.explain()
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(run.model_files()), (
@@ -287,7 +319,8 @@ def test_tokenize_encode_writes_shards_and_index_to_the_model_dir(aws, tmp_path,
 
 
 @pytest.mark.slow
-def test_train_phase2_under_torchrun_exports_and_checkpoints(aws, tmp_path, shards_dir, small_tokenizer_dir):
+@pytest.mark.parametrize("sdk", SDKS)
+def test_train_phase2_under_torchrun_exports_and_checkpoints(sdk, aws, tmp_path, shards_dir, small_tokenizer_dir):
     run = replay(
         aws,
         (
@@ -296,9 +329,10 @@ def test_train_phase2_under_torchrun_exports_and_checkpoints(aws, tmp_path, shar
         ).split(),
         tmp_path,
         inputs={"--data": shards_dir, "--tokenizer": small_tokenizer_dir},
+        sdk=sdk,
     )
     assert run.returncode == 0, run.explain()
-    assert run.command[:6] == ["torchrun", "--nnodes", "1", "--nproc_per_node", "2", "train.py"], run.command
+    assert run.command[: len(TORCHRUN[sdk])] == TORCHRUN[sdk], run.command
     files = run.model_files()
     assert "config.json" in files and "model.safetensors" in files, run.explain()
     assert "tokenizer.json" in files
