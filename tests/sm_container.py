@@ -161,6 +161,24 @@ def launch(
     return launched
 
 
+def launch_in_moto(argv: list[str]) -> dict:
+    """`launch(ARGV)` in a fresh moto mock with this environment's SDK: {"sdk", "request", "plan"} as JSON data.
+
+    For comparing the two SDK lines, which never share an environment: `python sm_container.py --launch ARGV`
+    run by the other line's interpreter prints this.
+    """
+    import dataclasses
+
+    import boto3
+    import moto
+
+    os.environ.update(aws_test_env())
+    os.environ.pop("AWS_PROFILE", None)
+    with moto.mock_aws():
+        launched = launch(boto3.Session(region_name="us-east-1"), argv)
+    return {"sdk": launched.sdk, "request": launched.request, "plan": dataclasses.asdict(launched.plan)}
+
+
 def source_tarball(session: Any, request: dict) -> bytes:
     """The sourcedir.tar.gz the launcher uploaded (sagemaker_submit_directory)."""
     bucket, key = _split_s3(json.loads(request["HyperParameters"]["sagemaker_submit_directory"]))
@@ -874,6 +892,7 @@ __all__ = [
     "is_v3",
     "isolation_mode",
     "launch",
+    "launch_in_moto",
     "namespace_flags",
     "prepare",
     "pytorch_training_main",
@@ -888,4 +907,8 @@ __all__ = [
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--driver":
         sys.exit(_driver(sys.argv[2]))
-    sys.exit("usage: sm_container.py --driver SPEC.json (replay() runs it; see the module docstring)")
+    if len(sys.argv) > 2 and sys.argv[1] == "--launch":
+        sys.path.insert(0, str(PROJECT_ROOT))
+        print(json.dumps(launch_in_moto(sys.argv[2:]), default=str))
+        sys.exit(0)
+    sys.exit("usage: sm_container.py --driver SPEC.json | --launch STAGE ... (see the module docstring)")

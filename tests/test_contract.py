@@ -4,7 +4,8 @@ For every field of every stage's config dataclass (generated, so a new flag is c
 added): the launcher's command line -> the CreateTrainingJob request it really sends (moto) -> the
 hyperparameters as `sagemaker_training` reads them -> its `to_cmd_args` argv -> the script's own parser
 gives back the value asked for. Channel fields must arrive as their mounted /opt/ml/input/data path and
-outputs as their fixed container path, whatever the user passes.
+outputs as their fixed container path, whatever the user passes. (SDK 2.x's container; 3.x's drivers get
+the same test in tests/test_sagemaker_v3.py, from `launcher_argv` here.)
 """
 
 from __future__ import annotations
@@ -14,14 +15,9 @@ import json
 import os
 
 import pytest
+from conftest import BUCKET, ROLE  # the mocked account conftest's aws fixture sets up
 
 from minilm_az import config as C
-
-mapping = pytest.importorskip("sagemaker_training.mapping")
-environment = pytest.importorskip("sagemaker_training.environment")
-pytest.importorskip("moto")
-
-from conftest import BUCKET, ROLE  # noqa: E402  (the mocked account conftest's aws fixture sets up)
 
 STAGES = [
     ("tokenize", "clean"),
@@ -33,8 +29,11 @@ STAGES = [
 ]
 
 
-def other_value(f: dataclasses.Field):
-    """A value for `f` that is not its default, within its choices and bounds."""
+TEXT = "Salam, dünya: 'x' \"y\""  # spaces, quotes, a colon and non-ASCII survive as one argument
+
+
+def other_value(f: dataclasses.Field, text: str = TEXT):
+    """A value for `f` that is not its default, within its choices and bounds (`text` for a string)."""
     if C.is_bool(f):
         return not f.default
     if "choices" in f.metadata:
@@ -50,10 +49,10 @@ def other_value(f: dataclasses.Field):
         return round((f.default or 0.0) * 1.5 + 0.0375, 6)
     if base == "list[str]":
         return ["/tmp/eval text ü.txt"]
-    return "Salam, dünya: 'x' \"y\""  # spaces, quotes, a colon and non-ASCII survive as one argument
+    return text
 
 
-def launcher_argv(stage: str, command: str | None, cls) -> tuple[list[str], dict]:
+def launcher_argv(stage: str, command: str | None, cls, text: str = TEXT) -> tuple[list[str], dict]:
     """The launcher command line setting every field, and what each field must arrive as."""
     argv = [stage] + ([command] if command else []) + (["--phase", "1"] if stage == "train" else [])
     want = {}
@@ -66,7 +65,7 @@ def launcher_argv(stage: str, command: str | None, cls) -> tuple[list[str], dict
     for f in dataclasses.fields(cls):
         if f.name in want or (stage == "train" and f.name == "phase"):
             continue
-        v = other_value(f)
+        v = other_value(f, text)
         want[f.name] = v
         if isinstance(v, bool):
             argv.append(C.flag(f.name) if v else "--no-" + C.flag(f.name)[2:])
@@ -79,6 +78,8 @@ def launcher_argv(stage: str, command: str | None, cls) -> tuple[list[str], dict
 
 def toolkit_argv(hyperparameters: dict[str, str], tmp_path, monkeypatch) -> list[str]:
     """What the container's toolkit makes of the request's HyperParameters: its own reader, its own mapping."""
+    mapping = pytest.importorskip("sagemaker_training.mapping")
+    environment = pytest.importorskip("sagemaker_training.environment")
     path = tmp_path / "hyperparameters.json"
     path.write_text(json.dumps(hyperparameters))
     monkeypatch.setattr(environment, "hyperparameters_file_dir", str(path))
