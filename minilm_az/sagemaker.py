@@ -708,6 +708,8 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
     finally:
         for event, fn in hooks:
             boto_session.events.unregister(event, fn)
+        if sdk == "v3":
+            _forget_v3_clients()
         if args.dry_run:
             os.environ.pop("SAGEMAKER_VALIDATE_ROLE", None)
             if validate_role is not None:
@@ -731,8 +733,18 @@ def _sdk_session(sdk: str, boto_session: Any, bucket: str | None) -> tuple[Any, 
         from sagemaker.core.config.config_schema import TRAINING_JOB_ROLE_ARN_PATH
         from sagemaker.core.helper.session_helper import Session
 
+        _forget_v3_clients()
         session = Session(boto_session=boto_session, default_bucket=bucket)
     return session, resolve_value_from_config(None, TRAINING_JOB_ROLE_ARN_PATH, sagemaker_session=session)
+
+
+def _forget_v3_clients() -> None:
+    """3.x keeps one SageMaker client per boto session for the process, with the event handlers it was born
+    with: a second launch on the same session would see the first one's capture (and dry-run answers, or
+    lack of them). Dropped before and after each launch, every launch's clients carry its own handlers."""
+    from sagemaker.core.utils.utils import SageMakerClient
+
+    SageMakerClient.reset()
 
 
 def _silence_sdk_telemetry(sdk: str) -> None:

@@ -272,3 +272,14 @@ def test_v3_hyperparameters_give_the_script_the_exact_string():
     sent = sm.v3_hyperparameters(hps)
     assert sent["steps"] == "20000" and sent["out"] == '"/opt/ml/model"'  # as 2.x sends them
     assert sm.container_args_v3(sent) == [a for k, v in hps.items() for a in (f"--{k}", str(v))]
+
+
+def test_launches_on_one_session_each_capture_their_own_request_and_a_dry_run_sends_nothing(aws, project):
+    # 3.x caches a SageMaker client per boto session, born with the first launch's event handlers
+    first = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--steps", "1"])
+    dry = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--steps", "2", "--dry-run"])
+    again = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--steps", "3"])
+    assert [x.request["HyperParameters"]["steps"] for x in (first, dry, again)] == ["1", "2", "3"]
+    assert not dry.sent
+    names = {j["TrainingJobName"] for j in aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"]}
+    assert names == {first.job_name, again.job_name}
