@@ -22,7 +22,15 @@ import time
 import torch
 
 from minilm_az import lora, parallel
-from minilm_az.chat import ChatFormatError, NothingToTrain, chat_files, encode_chat, read_chat_files
+from minilm_az.chat import (
+    ChatFormatError,
+    NothingToTrain,
+    chat_files,
+    collate,
+    encode_chat,
+    micro_batches,
+    read_chat_files,
+)
 from minilm_az.checkpoint import load_pretrained, load_weights_into, read_config, save_pretrained
 from minilm_az.config import FinetuneConfig, make_parser, parse_config
 from minilm_az.kernels import IGNORE, select_ops
@@ -99,18 +107,6 @@ def load_data(cfg: FinetuneConfig, tok, max_len: int, log: MetricLogger) -> tupl
     return examples, val
 
 
-def collate(examples, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shift (inputs = ids[:-1], targets = labels[1:]) and right-pad: pad id in, IGNORE out."""
-    T = max(len(ids) - 1 for ids, _ in examples)
-    x = torch.full((len(examples), T), pad_id, dtype=torch.long)
-    y = torch.full((len(examples), T), IGNORE, dtype=torch.long)
-    for i, (ids, labels) in enumerate(examples):
-        n = len(ids) - 1
-        x[i, :n] = torch.tensor(ids[:-1])
-        y[i, :n] = torch.tensor(labels[1:])
-    return x.to(device), y.to(device)
-
-
 def batch_order(n: int, step: int, global_batch: int, seed: int) -> list[int]:
     """Example indices of one step's global batch: a fresh seeded permutation per epoch, read in order."""
     idx, start = [], step * global_batch
@@ -129,6 +125,8 @@ def build(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger):
     model = meta_model(read_config(cfg.model), select_ops(d.device, cfg.liger, compile=cfg.compile))
     targets = [t.strip() for t in cfg.targets.split(",") if t.strip()]
     lora.apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets)
+    if d.device.type == "cuda":  # the frozen base is held in bf16, its compute dtype; adapters stay fp32
+        lora.cast_frozen(model, torch.bfloat16)
     trainable, total = lora.count_parameters(model)
     pct = round(100 * trainable / total, 3)
     log.log(
@@ -159,13 +157,13 @@ def evaluate(model, val: list, cfg: FinetuneConfig, d: parallel.Dist, pad_id: in
     return total_nll / max(total_n, 1)
 
 
-def train_step(model, batch: list, params: list, cfg: FinetuneConfig, d, pad_id: int) -> tuple[float, float, int]:
-    """Forward/backward of this rank's micro-batches; returns (the step's mean target NLL, grad norm, tokens)."""
+def train_step(model, batch: list, params: list, cfg: FinetuneConfig, d, pad_id: int, row_len: int | None = None):
+    """Forward/backward of this rank's micro-batches (packed into rows of `row_len` tokens if given);
+    returns (the step's mean target NLL, grad norm, tokens)."""
     n_targets = sum(sum(x != IGNORE for x in lab[1:]) for _, lab in batch)
     nll = 0.0
-    for s in range(d.rank * cfg.micro_batch, len(batch), d.world_size * cfg.micro_batch):
-        x, y = collate(batch[s : s + cfg.micro_batch], pad_id, d.device)
-        loss_sum = model(x, targets=y, reduction="sum")
+    for x, y, doc_ids in micro_batches(batch, d.rank, d.world_size, cfg.micro_batch, pad_id, d.device, row_len):
+        loss_sum = model(x, targets=y, reduction="sum", doc_ids=doc_ids)
         # FSDP averages gradients over ranks: scaling by world size makes the step the mean over every target
         # token of the global batch, however it is split.
         (loss_sum * (d.world_size / n_targets)).backward()
@@ -184,7 +182,8 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
     if tok.get_vocab_size() > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} only {mcfg.vocab_size} rows")
     log.log("config", **dataclasses.asdict(cfg))
-    examples, val = load_data(cfg, tok, min(cfg.max_seq_len, mcfg.max_seq_len), log)
+    max_len = min(cfg.max_seq_len, mcfg.max_seq_len)
+    examples, val = load_data(cfg, tok, max_len, log)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, d, log)
@@ -199,7 +198,7 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
         lr = cosine_lr(step, cfg.lr, cfg.warmup, steps, cfg.min_lr_ratio)
         set_lr(opt, lr)
         batch = [examples[i] for i in batch_order(len(examples), step, cfg.global_batch, cfg.seed)]
-        loss, gn, n_tokens = train_step(model, batch, params, cfg, d, pad_id)
+        loss, gn, n_tokens = train_step(model, batch, params, cfg, d, pad_id, max_len if cfg.packing else None)
         if not (math.isfinite(loss) and math.isfinite(gn)):  # nothing non-finite is applied or saved
             msg = f"loss {loss} / grad norm {gn} at step {step + 1}: stopped before the update"
             raise FloatingPointError(f"{msg}, nothing saved; try a lower --lr")

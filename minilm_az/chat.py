@@ -13,6 +13,16 @@ so no one can inject a turn. Labels are -100 everywhere except each assistant tu
 and the <|eot_id|> that closes it (they are not shifted: the label at i is the id at i).
 
 A data file is JSONL, one `{"messages": [{"role": ..., "content": ...}, ...]}` a line.
+
+A step's encoded conversations become micro-batches in one of two layouts (inputs = ids[:-1], targets =
+labels[1:], the pad id in and IGNORE out where nothing is):
+
+    padded   `collate`: one conversation a row, right-padded to the longest of the micro-batch;
+    packed   `pack_rows` + `collate_packed`: whole conversations first-fit into rows of `row_len` tokens,
+             with a (rows, row_len) `doc_ids` tensor (0, 1, ... per conversation of the row, one more id
+             for the padding at its end) that the model turns into a block-diagonal causal mask and
+             per-conversation RoPE positions. No conversation is split: truncation to max_len stays
+             `encode_chat`'s, so a row holds at least one whole conversation.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import os
 import re
 from collections.abc import Sequence
 
+import torch
 from tokenizers import Tokenizer
 
 from minilm_az.kernels import IGNORE
@@ -126,6 +137,80 @@ def encode_prompt(messages, tokenizer: Tokenizer) -> list[int]:
         raise ChatFormatError("'messages' must be a non-empty list")
     checked = validate_messages(messages + [{"role": "assistant", "content": "x"}])[:-1]
     return _render(checked, tokenizer, add_generation_prompt=True)[0]
+
+
+# ---------------------------------------------------------------- micro-batches: padded and packed
+
+Example = tuple[list[int], list[int]]  # (ids, labels) of one conversation, as encode_chat returns them
+
+
+def collate(examples: Sequence[Example], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shift (inputs = ids[:-1], targets = labels[1:]) and right-pad: pad id in, IGNORE out."""
+    T = max(len(ids) - 1 for ids, _ in examples)
+    x = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    y = torch.full((len(examples), T), IGNORE, dtype=torch.long)
+    for i, (ids, labels) in enumerate(examples):
+        n = len(ids) - 1
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, :n] = torch.tensor(labels[1:])
+    return x.to(device), y.to(device)
+
+
+def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """First-fit decreasing: the indices of the items in each row of at most `row_len` tokens.
+
+    Deterministic (ties keep input order); every length must fit a row (encode_chat's truncation sees to it).
+    """
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > row_len:
+            raise ValueError(f"a conversation of {lengths[i]} tokens does not fit a row of {row_len}")
+        r = next((r for r, f in enumerate(free) if lengths[i] <= f), None)
+        if r is None:
+            rows.append([])
+            free.append(row_len)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
+
+
+def collate_packed(rows: Sequence[Sequence[Example]], row_len: int, pad_id: int, device):
+    """(x, y, doc_ids), each (len(rows), row_len): the conversations of each row back to back, then padding."""
+    x = torch.full((len(rows), row_len), pad_id, dtype=torch.long)
+    y = torch.full((len(rows), row_len), IGNORE, dtype=torch.long)
+    doc = torch.empty((len(rows), row_len), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for j, (ids, labels) in enumerate(row):
+            n = len(ids) - 1
+            x[r, at : at + n] = torch.tensor(ids[:-1])
+            y[r, at : at + n] = torch.tensor(labels[1:])
+            doc[r, at : at + n] = j
+            at += n
+        doc[r, at:] = len(row)  # the padding is a document of its own: it sees only itself, never a conversation
+    return x.to(device), y.to(device), doc.to(device)
+
+
+def micro_batches(batch: Sequence[Example], rank: int, world: int, micro: int, pad_id: int, device, row_len=None):
+    """This rank's micro-batches of a step: (x, y, doc_ids) tensors, doc_ids None when padded.
+
+    Both layouts cut the step into micro-batches the same way on any number of processes and deal them
+    out in turn (micro-batch k to rank k % world), so a 2-process run computes what a 1-process run does.
+    Padded: `micro` conversations each. Packed: the whole step's conversations fill rows of `row_len`
+    tokens, `micro` rows each; every rank runs as many as the busiest (FSDP needs the same collectives
+    everywhere), an extra one being a row of padding with no target.
+    """
+    if row_len is None:
+        return [
+            (*collate(batch[s : s + micro], pad_id, device), None)
+            for s in range(rank * micro, len(batch), world * micro)
+        ]
+    rows = [[batch[i] for i in row] for row in pack_rows([len(ids) - 1 for ids, _ in batch], row_len)]
+    groups = [rows[s : s + micro] for s in range(0, len(rows), micro)]
+    mine = [collate_packed(g, row_len, pad_id, device) for g in groups[rank::world]]
+    return mine + [collate_packed([[]], row_len, pad_id, device)] * (-(-len(groups) // world) - len(mine))
 
 
 # ---------------------------------------------------------------- JSONL files

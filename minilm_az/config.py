@@ -121,6 +121,11 @@ class FinetuneConfig:
     lora_dropout: float = _f(0.05, "dropout on the adapter's input", lo=0.0, hi=0.99)
     targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated projections")
     max_seq_len: int = _f(1024, "tokens per conversation (longer ones are truncated)", lo=2)
+    packing: bool = _f(
+        True,
+        "pack each step's conversations into rows of --max-seq-len tokens, attention kept within each "
+        "conversation (the same loss as one padded conversation a row, without computing the padding)",
+    )
     steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
     epochs: float = _f(1.0, "passes over the data when --steps is not given", lo=0.0)
     lr: float = _f(2e-4, "peak learning rate", lo=0.0, hi=1e6)

@@ -32,7 +32,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q (B, H, T, hd), k (B, Hkv, T, hd); cos/sin (T, hd) in HF's rotate-half layout."""
+    """q (B, H, T, hd), k (B, Hkv, T, hd); cos/sin (T, hd), or (B, T, hd) for packed rows, HF's rotate-half layout."""
+    if cos.dim() == 3:  # one position per (row, token): broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -126,8 +128,10 @@ def _liger_ops() -> Ops:
         return liger_rms_norm(x, weight, eps, 0.0, "llama", False)
 
     def l_rope(q, k, cos, sin):
-        # Liger takes q (B, H, T, hd), k (B, Hkv, T, hd) and (1, T, hd) cos/sin in HF's layout.
-        return liger_rope(q, k, cos[None], sin[None])
+        # Liger takes q (B, H, T, hd), k (B, Hkv, T, hd) and (1 or B, T, hd) cos/sin in HF's layout.
+        if cos.dim() == 2:
+            cos, sin = cos[None], sin[None]
+        return liger_rope(q, k, cos, sin)
 
     def l_flce(h, w, targets, reduction="mean", ignore_index=IGNORE):
         # fp32 accumulation of the head gradient: bf16 sums over 100k rows x many chunks drift.

@@ -161,6 +161,18 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold every frozen (non-adapter) parameter in `dtype`; adapters and buffers (RoPE) stay as they are.
+
+    Call on the meta model before sharding: a frozen base needs no fp32 master copy (it gets no update), and
+    in its compute dtype no per-step cast either. In place, so tied weights stay one Parameter.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                p.data = p.data.to(dtype)
+
+
 def reset_lora_parameters(model: nn.Module, seed: int = 0) -> None:
     """Initialise every adapter (after `materialize`), each from its own seed, whatever the sharding."""
     for i, (_, m) in enumerate(lora_modules(model)):

@@ -8,6 +8,7 @@ distributed code here: `parallel.py` shards the model from outside. Build on the
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -156,21 +157,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, pos: int = 0):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, pos: int = 0, docs=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.ops.apply_rope(q, k, cos, sin)
-        mask, causal = None, True
+        gqa = self.n_kv_heads != self.n_heads
+        if docs is not None and not isinstance(docs, torch.Tensor):  # a flex BlockMask (CUDA)
+            y = flex_attention()(q, k, v, block_mask=docs, enable_gqa=gqa)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        mask, causal = docs, docs is None  # docs: a (B, 1, T, T) boolean block-diagonal causal mask
         if cache is not None:
             k, v = cache.update(self.layer_idx, pos, k, v)
             if pos > 0:  # queries at pos..pos+T-1 see every cached key up to their own position
                 causal = False
                 mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -194,8 +197,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, pos: int = 0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos)
+    def forward(self, x, cos, sin, cache: KVCache | None = None, pos: int = 0, docs=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -244,22 +247,35 @@ class Llama(nn.Module):
             full = torch.empty(p.shape, device=p.device, dtype=torch.float32).normal_(0.0, s, generator=gen)
             copy_into(p, full)  # the same numbers on any world size: each rank keeps its shard
 
-    def rope(self, T: int, pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(pos, pos + T, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim), HF's rotate-half layout
+    def rope(self, T: int, pos: int = 0, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, head_dim) for positions pos..pos+T-1, or (B, T, head_dim) for given (B, T) positions."""
+        if positions is None:
+            t = torch.arange(pos, pos + T, device=self.inv_freq.device, dtype=torch.float32)
+        else:
+            t = positions.to(torch.float32)
+        freqs = t[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # HF's rotate-half layout
         return emb.cos(), emb.sin()
 
-    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None, pos: int = 0):
-        """Final-norm hidden states (B, T, dim)."""
+    def hidden_states(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, pos: int = 0, doc_ids: torch.Tensor | None = None
+    ):
+        """Final-norm hidden states (B, T, dim). With `doc_ids` (B, T), packed rows: see `forward`."""
         T = input_ids.shape[1]
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(T, pos)
+        docs = None
+        if doc_ids is None:
+            cos, sin = self.rope(T, pos)
+        elif cache is not None:
+            raise ValueError("packed rows (doc_ids) are for training; generation takes one conversation a row")
+        else:
+            cos, sin = self.rope(T, positions=doc_positions(doc_ids))
+            docs = doc_mask(doc_ids)  # built once, shared by every layer
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.model.layers.values():
-            x = block(x, cos, sin, cache, pos)
+            x = block(x, cos, sin, cache, pos, docs)
         return self.model.norm(x)
 
     def forward(
@@ -269,18 +285,56 @@ class Llama(nn.Module):
         cache: KVCache | None = None,
         pos: int = 0,
         reduction: str = "mean",
+        doc_ids: torch.Tensor | None = None,
     ):
         """Logits (B, T, V), or the loss when `targets` (already shifted; -100 ignored) is given.
 
         The loss goes through `ops.linear_cross_entropy`, which never materialises the full logits.
-        `reduction="sum"` returns the summed NLL in nats (for bits-per-byte).
+        `reduction="sum"` returns the summed NLL in nats (for bits-per-byte). `doc_ids` (B, T) makes each
+        row a pack of documents: a token attends only to earlier tokens of its own document (same id, one
+        contiguous run), and RoPE positions restart at 0 at each document's first token.
         """
-        h = self.hidden_states(input_ids, cache, pos)
+        h = self.hidden_states(input_ids, cache, pos, doc_ids)
         if targets is None:
             return self.lm_head(h)
         return self.ops.linear_cross_entropy(
             h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction=reduction
         )
+
+
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids, each document one contiguous run -> each token's position inside its document."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+def doc_mask(doc_ids: torch.Tensor):
+    """The block-diagonal causal mask of packed rows: query q sees key k iff same document and k <= q.
+
+    On CUDA a flex-attention BlockMask (blocks wholly outside every document are skipped, so a row costs
+    what its documents cost); elsewhere a (B, 1, T, T) boolean mask for SDPA.
+    """
+    if doc_ids.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_doc_causal(b, h, q, k):
+            return (doc_ids[b, q] == doc_ids[b, k]) & (k <= q)
+
+        B, T = doc_ids.shape
+        return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
+@functools.cache
+def flex_attention():
+    """flex_attention compiled once (uncompiled it runs a slow reference that materialises the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex)
 
 
 def meta_model(cfg: ModelConfig, ops: Ops = TORCH_OPS) -> Llama:
