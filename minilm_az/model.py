@@ -324,6 +324,11 @@ def doc_mask(doc_ids: torch.Tensor):
 
         B, T = doc_ids.shape
         return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
+    return doc_mask_dense(doc_ids)
+
+
+def doc_mask_dense(doc_ids: torch.Tensor) -> torch.Tensor:
+    """The same mask as a (B, 1, T, T) boolean tensor (True: attend), what SDPA takes."""
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
