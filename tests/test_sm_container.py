@@ -189,7 +189,9 @@ def test_harness_view_has_the_request_the_channels_and_a_separate_model_mount(aw
 
 PROBE_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    env = {k: v for k, v in os.environ.items() if k.startswith(("SM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    # one line per rank, under PIPE_BUF (4096 bytes) so the ranks' lines cannot interleave: not SM_TRAINING_ENV
+    keep = ("SM_HPS", "SM_USER_ARGS", "SM_MODEL_DIR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("SM_CHANNEL_")}
     print("PROBE " + json.dumps({"argv": sys.argv, "env": env, "path": sys.path[:2]}), flush=True)
     code = 3 if os.environ.get("SM_HP_STEPS") == "3" else 0
     if os.environ.get("RANK", "0") == "0":
