@@ -180,7 +180,7 @@ def run_row(name, builder, examples, layout, fc, args, device, pad_id) -> dict:
             model.eval()
             row["check_loss"] = first_loss(name, model, batches[0], layout, fc, pad_id, device)
             model.train()
-        for b in batches[: args.warmup]:
+        for b in batches[: args.warmup] + (batches[args.warmup :] if args.warm_all else []):
             step(b, layout, pad_id)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -248,6 +248,11 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--n-long", type=int, default=160)
     p.add_argument("--memory-vocab", type=int, default=100_352, help="vocab of the 1B memory case (0: skip it)")
+    p.add_argument(
+        "--warm-all",
+        action="store_true",
+        help="an untimed pass over the timed steps first, so no shape is first seen (and JIT-compiled) while timed",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script runs")
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--out", default="bench/results/finetune_throughput.json")
