@@ -54,14 +54,7 @@ from minilm_az.tokenizer import PAD, train_tokenizer  # noqa: E402
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
-def _finetune_module():
-    spec = importlib.util.spec_from_file_location("finetune", os.path.join(ROOT, "finetune.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-finetune = _finetune_module()
+import finetune  # noqa: E402  the root script (ROOT is on sys.path above)
 
 
 def make_sets(tok, max_len: int, n_long: int, seed: int = 0) -> dict[str, list]:

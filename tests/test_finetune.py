@@ -1,7 +1,6 @@
 """finetune.py end to end, as a user runs it: adapter loaded by peft, --merge loaded by transformers,
 torchrun on 2 processes equal to 1, bad input refused with the file named, and --prompt."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import finetune  # the root script (pytest puts the repo root on sys.path)
 from minilm_az.checkpoint import load_pretrained, save_pretrained
 from minilm_az.generate import generate
 from minilm_az.lora import load_adapter
@@ -43,16 +43,6 @@ ARGS = [
     "2",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-
-
-def _finetune_module():
-    spec = importlib.util.spec_from_file_location("finetune", os.path.join(ROOT, "finetune.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-finetune = _finetune_module()
 
 
 def _run(cmd, **kw):

@@ -1,7 +1,6 @@
 """Packed fine-tuning steps: the same loss and LoRA gradients as padded ones, conversations that never see
 each other, RoPE positions that restart, truncation as before, and the choice logged."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import finetune  # the root script (pytest puts the repo root on sys.path)
 from minilm_az import lora, parallel
 from minilm_az.chat import encode_chat, micro_batches, pack_rows, read_chat_jsonl
 from minilm_az.checkpoint import save_pretrained
@@ -21,16 +21,6 @@ from minilm_az.tokenizer import PAD, copy_tokenizer_files, load_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "data/chat/az_chat.jsonl")
 CPU = parallel.Dist(0, 1, 0, torch.device("cpu"))
-
-
-def _finetune_module():
-    spec = importlib.util.spec_from_file_location("finetune", os.path.join(ROOT, "finetune.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-finetune = _finetune_module()
 
 
 @pytest.fixture(scope="module")
