@@ -772,11 +772,7 @@ def container_args(hyperparameters: dict[str, str]) -> list[str]:
     for k in sorted(hyperparameters):
         if k.startswith("sagemaker_"):
             continue
-        raw = hyperparameters[k]
-        try:
-            v = json.loads(raw)
-        except (TypeError, ValueError):
-            v = raw
+        v = _json_or_raw(hyperparameters[k])
         out += [f"--{k}" if len(k) > 1 else f"-{k}", str(v)]
     return out
 
