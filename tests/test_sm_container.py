@@ -189,10 +189,11 @@ def test_harness_view_has_the_request_the_channels_and_a_separate_model_mount(aw
 
 PROBE_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    # one line per rank, under PIPE_BUF (4096 bytes) so the ranks' lines cannot interleave: not SM_TRAINING_ENV
+    # one line per rank in ONE write(2) under PIPE_BUF (4096 bytes), so the ranks' lines cannot interleave:
+    # not SM_TRAINING_ENV, and not print(), which under the toolkit's `python -u` writes the newline apart
     keep = ("SM_HPS", "SM_USER_ARGS", "SM_MODEL_DIR", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("SM_CHANNEL_")}
-    print("PROBE " + json.dumps({"argv": sys.argv, "env": env, "path": sys.path[:2]}), flush=True)
+    os.write(1, ("PROBE " + json.dumps({"argv": sys.argv, "env": env, "path": sys.path[:2]}) + "\\n").encode())
     code = 3 if os.environ.get("SM_HP_STEPS") == "3" else 0
     if os.environ.get("RANK", "0") == "0":
         open(os.path.join(os.environ["SM_MODEL_DIR"], "probe.json"), "w").write(json.dumps(sys.argv))
