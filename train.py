@@ -6,8 +6,7 @@
         --data SHARDS --out PHASE2                        # everything trains
     python train.py --eval-only --base-model M --tokenizer M --eval-text FILE    # bits per byte
 
-Reads top to bottom: flags and their defaults, the inputs and their checks, the model (vocabulary transfer
-in phase 1), evaluation, one step, then `train`: resume, the loop (step, log, eval, checkpoint), export.
+Reads top to bottom: flags and input checks, the model, evaluation, one step, `train` (resume, loop, export).
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ def resolve(cfg: TrainConfig, world: int) -> None:
     if cfg.seq_len > context:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the model's context of {context} tokens")
     cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=14)
+    cfg.fp8_all_gather = parallel.check_fp8(cfg.fp8, cfg.fp8_all_gather, cfg.compile, cfg.device, world)
     for name in ("base_model", "base_tokenizer", "tokenizer", "data"):
         path = getattr(cfg, name)
         if not cfg.eval_only and path and os.path.abspath(path) == os.path.abspath(cfg.out):
@@ -122,14 +122,15 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     if cfg.phase == 1:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
-    parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile)
+    fp8 = dict(fp8=cfg.fp8, fp8_all_gather=cfg.fp8_all_gather == "true")
+    parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, **fp8)
     materialize(model, d.device, seed=cfg.seed, init=not cfg.base_model)
     if cfg.base_model:
         load_weights_into(model, cfg.base_model, overrides)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     accum = cfg.global_batch // (cfg.micro_batch * d.world_size)
     log.log("model", params=mcfg.num_params(), trainable=trainable, world=d.world_size, micro_batch=cfg.micro_batch)
-    log.log("batch", accum=accum, tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name)
+    log.log("batch", accum=accum, tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, fp8=cfg.fp8)
     return model
 
 
@@ -209,6 +210,7 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     model = build(cfg, d, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, d.device.type == "cuda")
+    parallel.fp8_scale_hook(model, optimizer, on=cfg.fp8_all_gather == "true")
     must, may = run_identity(cfg, model)
     ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
     ckpt = Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
@@ -270,10 +272,8 @@ def sigterm_flag() -> list:
 
 def export(model, cfg: TrainConfig, tok, d: parallel.Dist, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
-    ids = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}
-    checkpoint.save_pretrained(
-        model, cfg.out, dtype=getattr(torch, cfg.export_dtype), is_writer=d.is_main, token_ids=ids
-    )
+    ids, dtype = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}, getattr(torch, cfg.export_dtype)
+    checkpoint.save_pretrained(model, cfg.out, dtype, token_ids=ids, is_writer=d.is_main)
     if d.is_main:
         tk.copy_tokenizer_files(cfg.tokenizer, cfg.out)
     log.log("export", dir=cfg.out, dtype=cfg.export_dtype)

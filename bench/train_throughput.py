@@ -8,11 +8,16 @@ random tokens, `--warmup` untimed steps then `--steps` timed ones. Ours is the r
 (meta build -> `parallel.parallelize` (FSDP2, bf16 compute weights cast once per step) -> materialise);
 the peer is `transformers.LlamaForCausalLM` in fp32 with bf16 autocast and
 `liger_kernel.transformers.apply_liger_kernel_to_llama()`. Ratios are against the peer's best row.
+
+The `ours_fp8_*` rows (CUDA, torchao) are `--compile --liger` with `train.py --fp8`: tensorwise or rowwise
+scales, `_all_gather` = float8 all-gather with scales precomputed after each step, `_every_linear` = k_proj and
+v_proj converted too (what `parallel.fp8_pays` leaves in bf16), `_ac_full` = with full activation checkpointing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -48,20 +53,39 @@ def matmul_peak(device) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
-def build_ours(cfg, device, liger: bool, compile: bool, ac: str, liger_blocks: bool = False):
+def build_ours(
+    cfg, device, liger: bool, compile: bool, ac: str, liger_blocks: bool = False, fp8: str = "none", **fp8_opts
+):
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
-    parallel.parallelize(model, mixed_precision=device.type == "cuda", ac=ac, compile=compile)
+    with fp8_filter(fp8_opts.get("every_linear", False)):
+        ag = fp8_opts.get("all_gather", False)
+        parallel.parallelize(
+            model, mixed_precision=device.type == "cuda", ac=ac, compile=compile, fp8=fp8, fp8_all_gather=ag
+        )
     materialize(model, device, seed=0)
-    return model, train_step(model, lambda x, y: model(x, targets=y), device)
+    return model, train_step(model, lambda x, y: model(x, targets=y), device, fp8_opts.get("all_gather", False))
 
 
-def train_step(model, loss_fn, device):
+@contextlib.contextmanager
+def fp8_filter(every_linear: bool):
+    """`every_linear`: convert k_proj/v_proj too (the row that checks parallel.fp8_pays's choice)."""
+    keep = parallel.fp8_pays
+    if every_linear:
+        parallel.fp8_pays = lambda recipe, linear: linear.weight.shape[0] % 16 == 0
+    try:
+        yield
+    finally:
+        parallel.fp8_pays = keep
+
+
+def train_step(model, loss_fn, device, fp8_all_gather: bool = False):
     """One optimizer step as both sides take it: loss, backward, clip to 1.0, fused AdamW."""
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
+    parallel.fp8_scale_hook(model, opt, on=fp8_all_gather)
 
     def step(x, y):
         loss = loss_fn(x, y)
@@ -184,6 +208,21 @@ def main():
             [14, 32] if not args.quick else [2],
         ),
     ]
+    for recipe, opts, sizes in (
+        ()
+        if not cuda
+        else (
+            ("tensorwise", {}, [14, 28, 32]),
+            ("rowwise", {}, [14, 28]),
+            ("tensorwise", {"all_gather": True}, [14, 28]),
+            ("tensorwise", {"every_linear": True}, [14, 28]),
+        )
+    ):
+        name = f"ours_fp8_{recipe}" + "".join(f"_{k}" for k in opts)
+        build = lambda r=recipe, o=opts: build_ours(cfg, device, True, cuda, "none", fp8=r, **o)  # noqa: E731
+        plan.append((name, build, [2] if args.quick else sizes))
+    build = lambda: build_ours(cfg, device, True, cuda, "full", fp8="tensorwise")  # noqa: E731
+    plan.append(("ours_fp8_tensorwise_ac_full", build, [2] if args.quick else [14, 32]))
     if args.only:
         keep = set(args.only.split(","))
         plan = [r for r in plan if r[0] in keep]

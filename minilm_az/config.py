@@ -90,6 +90,16 @@ class TrainConfig:
     liger: bool = _f(True, "Liger fused kernels on CUDA (RMSNorm, RoPE, SwiGLU, fused linear CE)")
     compile: bool = _f(False, "torch.compile each transformer block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
+    fp8: str = _f(
+        "none",
+        "float8 matmuls in the blocks' large linears (torchao; CUDA compute capability 8.9+, with --compile)",
+        choices=("none", "tensorwise", "rowwise"),
+    )
+    fp8_all_gather: str = _f(
+        "auto",
+        "FSDP2 gathers float8 weights (tensorwise): auto = on with several processes, off with one",
+        choices=("auto", "true", "false"),
+    )
     export_dtype: str = _f(
         "float32", "dtype of the exported safetensors (bfloat16 halves the size)", choices=("float32", "bfloat16")
     )

@@ -1,13 +1,15 @@
 """Everything distributed, in one place: process group, activation checkpointing, compile, FSDP2.
 
 The model file applies none of it (it borrows `copy_into` only, so its init is the same on any world
-size). The order follows torchtitan: build on meta, activation checkpointing, then per-block
+size). The order follows torchtitan: build on meta, float8 linears, activation checkpointing, then per-block
 `torch.compile`, then `fully_shard` each block and the root, then materialise (allocate only the local
 shards) and load or initialise the weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -178,6 +180,77 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=True)
 
 
+def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: int) -> str:
+    """Refuse --fp8 where it cannot run; resolve --fp8-all-gather auto. Returns "true" or "false".
+
+    Float8 matmuls need a GPU with float8 tensor cores (compute capability 8.9+) and torchao, and
+    `--compile`: uncompiled, the casts to float8 are separate kernels that cost more than the matmuls save.
+    """
+    if recipe == "none":
+        return "false"
+    device = resolve_device(device)
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if cap is None or cap < (8, 9):
+        where = f"a GPU of compute capability {cap[0]}.{cap[1]}" if cap else f"device {device.type}"
+        raise ValueError(
+            f"--fp8 {recipe} needs a CUDA GPU with float8 matmuls (L4, L40S, H100, H200...); this is {where}"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(f"--fp8 {recipe} needs torchao: pip install 'minilm-az[gpu]'")
+    if not compile:
+        raise ValueError(f"--fp8 {recipe} needs --compile (eager float8 casts cost more than the float8 matmuls save)")
+    if all_gather == "true" and recipe != "tensorwise":
+        raise ValueError("--fp8-all-gather true needs --fp8 tensorwise (torchao gathers only tensorwise weights)")
+    if all_gather == "auto":  # slower on one GPU (bench/RESULTS.md); it halves the all-gather bytes on several
+        return "true" if recipe == "tensorwise" and world > 1 else "false"
+    return all_gather
+
+
+def fp8_pays(recipe: str, linear: nn.Linear) -> bool:
+    """Whether a float8 GEMM beats bf16 for this weight shape: the casts to float8 cost memory traffic that only
+    large enough matmuls repay (thresholds from torchao's H100 measurements; they also keep k_proj/v_proj of
+    the 1B, 2048 -> 512, in bf16). Float8 tensor cores also need every dim to be a multiple of 16."""
+    n, k = linear.weight.shape  # out, in
+    if n % 16 or k % 16:
+        return False
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)  # rowwise: its scales cost more
+
+
+def apply_fp8(model: nn.Module, recipe: str, all_gather: bool) -> int:
+    """Swap the blocks' big `nn.Linear`s for torchao's `Float8Linear` (same `weight`, so the same names,
+    checkpoints and export); the head and embeddings stay bf16. Returns how many were converted.
+
+    `all_gather` (tensorwise only) makes FSDP2 gather weights already cast to float8: half the all-gather
+    bytes, for a scale computed once per step (`fp8_scale_hook`). It pays with several GPUs; on one it cost
+    3-11 % (bench/RESULTS.md).
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(
+        model.model.layers,
+        config=config,
+        module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fp8_pays(recipe, m),
+    )
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sum(isinstance(m, Float8Linear) for m in model.model.layers.modules())
+
+
+def fp8_scale_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on: bool) -> None:
+    """With float8 all-gather (`on`): after each optimizer step, compute every weight's float8 scale in one go
+    (one all-reduce of all amaxes), instead of one small all-reduce per weight in the next forward."""
+    if not on:
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+
+
 def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: bool = True) -> None:
     """FSDP2: `fully_shard` each block, then the root (embeddings, final norm, head).
 
@@ -198,8 +271,18 @@ def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: b
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
-def parallelize(model: nn.Module, *, mixed_precision: bool, ac: str = "none", compile: bool = False) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 to a (meta-device) model, in that order."""
+def parallelize(
+    model: nn.Module,
+    *,
+    mixed_precision: bool,
+    ac: str = "none",
+    compile: bool = False,
+    fp8: str = "none",
+    fp8_all_gather: bool = False,
+) -> nn.Module:
+    """Apply float8 linears, activation checkpointing, compile and FSDP2 to a (meta-device) model, in that order."""
+    if fp8 != "none":
+        apply_fp8(model, fp8, fp8_all_gather)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)
