@@ -10,14 +10,13 @@ the peer is `transformers.LlamaForCausalLM` in fp32 with bf16 autocast and
 `liger_kernel.transformers.apply_liger_kernel_to_llama()`. Ratios are against the peer's best row.
 
 The `ours_fp8_*` rows (CUDA, torchao) are `--compile --liger` with `train.py --fp8`: tensorwise or rowwise
-scales, `_all_gather` = float8 all-gather with scales precomputed after each step, `_every_linear` = k_proj and
-v_proj converted too (what `parallel.fp8_pays` leaves in bf16), `_ac_full` = with full activation checkpointing.
+scales, `_all_gather` = float8 all-gather with scales precomputed after each step, `_cudnn` = SDPA's cuDNN
+attention instead of flash attention, `_ac_full` = with full activation checkpointing.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -59,25 +58,15 @@ def build_ours(
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
-    with fp8_filter(fp8_opts.get("every_linear", False)):
-        ag = fp8_opts.get("all_gather", False)
-        parallel.parallelize(
-            model, mixed_precision=device.type == "cuda", ac=ac, compile=compile, fp8=fp8, fp8_all_gather=ag
-        )
+    ag = fp8_opts.get("all_gather", False)
+    parallel.parallelize(
+        model, mixed_precision=device.type == "cuda", ac=ac, compile=compile, fp8=fp8, fp8_all_gather=ag
+    )
+    if fp8_opts.get("cudnn"):  # SDPA's cuDNN attention instead of flash (run_row resets it)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     materialize(model, device, seed=0)
-    return model, train_step(model, lambda x, y: model(x, targets=y), device, fp8_opts.get("all_gather", False))
-
-
-@contextlib.contextmanager
-def fp8_filter(every_linear: bool):
-    """`every_linear`: convert k_proj/v_proj too (the row that checks parallel.fp8_pays's choice)."""
-    keep = parallel.fp8_pays
-    if every_linear:
-        parallel.fp8_pays = lambda recipe, linear: linear.weight.shape[0] % 16 == 0
-    try:
-        yield
-    finally:
-        parallel.fp8_pays = keep
+    return model, train_step(model, lambda x, y: model(x, targets=y), device, ag)
 
 
 def train_step(model, loss_fn, device, fp8_all_gather: bool = False):
@@ -157,6 +146,8 @@ def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
     except torch.cuda.OutOfMemoryError:
         row.update(tokens_per_s=None, oom=True)
     finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
         del model, step
         gc.collect()
         if device.type == "cuda":
@@ -208,21 +199,18 @@ def main():
             [14, 32] if not args.quick else [2],
         ),
     ]
-    for recipe, opts, sizes in (
-        ()
-        if not cuda
-        else (
-            ("tensorwise", {}, [14, 28, 32]),
-            ("rowwise", {}, [14, 28]),
-            ("tensorwise", {"all_gather": True}, [14, 28]),
-            ("tensorwise", {"every_linear": True}, [14, 28]),
-        )
-    ):
-        name = f"ours_fp8_{recipe}" + "".join(f"_{k}" for k in opts)
-        build = lambda r=recipe, o=opts: build_ours(cfg, device, True, cuda, "none", fp8=r, **o)  # noqa: E731
-        plan.append((name, build, [2] if args.quick else sizes))
-    build = lambda: build_ours(cfg, device, True, cuda, "full", fp8="tensorwise")  # noqa: E731
-    plan.append(("ours_fp8_tensorwise_ac_full", build, [2] if args.quick else [14, 32]))
+    fp8_rows = [  # (recipe, ac, build_ours options, micro-batches): CUDA only (torchao, float8 tensor cores)
+        ("tensorwise", "none", {}, [14, 28, 32]),
+        ("rowwise", "none", {}, [14, 28]),
+        ("tensorwise", "none", {"all_gather": True}, [14, 28]),
+        ("tensorwise", "none", {"cudnn": True}, [14, 28]),
+        ("tensorwise", "full", {}, [14, 32]),
+        ("tensorwise", "full", {"all_gather": True}, [14]),
+    ]
+    for recipe, ac, opts, sizes in fp8_rows if cuda else []:
+        name = f"ours_fp8_{recipe}" + "".join(f"_{k}" for k in opts) + ("_ac_full" if ac == "full" else "")
+        build = lambda r=recipe, a=ac, o=opts: build_ours(cfg, device, True, cuda, a, fp8=r, **o)  # noqa: E731
+        plan.append((name, build, sizes))
     if args.only:
         keep = set(args.only.split(","))
         plan = [r for r in plan if r[0] in keep]

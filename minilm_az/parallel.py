@@ -87,7 +87,9 @@ def teardown() -> None:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (every rank must call this); a plain tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    # With float8 all-gather a weight is torchao's wrapper subclass: the plain high-precision tensor is inside.
+    return t._tensor if type(t).__name__ == "WeightWithDynamicFloat8CastTensor" else t
 
 
 def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -207,15 +209,17 @@ def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: i
 
 
 def fp8_pays(recipe: str, linear: nn.Linear) -> bool:
-    """Whether a float8 GEMM beats bf16 for this weight shape: the casts to float8 cost memory traffic that only
-    large enough matmuls repay (thresholds from torchao's H100 measurements; they also keep k_proj/v_proj of
-    the 1B, 2048 -> 512, in bf16). Float8 tensor cores also need every dim to be a multiple of 16."""
+    """Whether a float8 GEMM beats bf16 for this weight shape. Float8 tensor cores need every dim to be a
+    multiple of 16. Tensorwise: every such linear of a block. torchao's per-linear thresholds would keep the
+    1B's k_proj/v_proj (2048 -> 512) in bf16, but inside a compiled block q/k/v share one cast of their input,
+    and converting them measured faster and smaller (bench/RESULTS.md). Rowwise: its per-row scales cost more,
+    so only large GEMMs repay them (torchao's H100 thresholds; at 1B that is gate_proj and up_proj)."""
     n, k = linear.weight.shape  # out, in
     if n % 16 or k % 16:
         return False
     if recipe == "tensorwise":
-        return not (k <= 4096 and n <= 1024)
-    return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)  # rowwise: its scales cost more
+        return True
+    return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
 
 
 def apply_fp8(model: nn.Module, recipe: str, all_gather: bool) -> int:
