@@ -353,7 +353,7 @@ def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, proje
     reqs = uploaded_source(aws, launched.request).extractfile("requirements.txt").read().decode()
     lines = [ln.split("#")[0].strip() for ln in reqs.splitlines()]
     assert "." in lines and any(ln.startswith("liger-kernel") for ln in lines)
-    assert not any(ln.startswith("torch") for ln in lines)  # the image's torch stays
+    assert not any(re.match(r"torch\s*([<>=~!;#]|$)", ln) for ln in lines)  # the image's torch stays (torchao may)
 
 
 def test_tokenize_launch_runs_the_subcommand_through_sm_entry_on_cpu(aws, project):
