@@ -61,43 +61,12 @@ def main() -> None:
     args = p.parse_args()
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
-    for name, vocab in (("tok", 8000), ("tok2", 6000)):
-        if not os.path.isfile(o(name, "tokenizer.json")):
-            run(
-                "tokenize.py",
-                "train",
-                "--corpus",
-                "data/az",
-                "--vocab-size",
-                str(vocab),
-                "--out",
-                o(name),
-                "--no-progress",
-            )
-    if not os.path.isfile(o("shards", "index.json")):
-        run(
-            "tokenize.py",
-            "encode",
-            "--corpus",
-            "data/az",
-            "--tokenizer",
-            o("tok"),
-            "--out",
-            o("shards"),
-            "--no-progress",
-        )
-    if not os.path.isfile(o("shards2", "index.json")):
-        run(
-            "tokenize.py",
-            "encode",
-            "--corpus",
-            "data/az",
-            "--tokenizer",
-            o("tok2"),
-            "--out",
-            o("shards2"),
-            "--no-progress",
-        )
+    for tok, vocab, shards in (("tok", 8000, "shards"), ("tok2", 6000, "shards2")):
+        corpus = ["--corpus", "data/az", "--no-progress"]
+        if not os.path.isfile(o(tok, "tokenizer.json")):
+            run("tokenize.py", "train", *corpus, "--vocab-size", str(vocab), "--out", o(tok))
+        if not os.path.isfile(o(shards, "index.json")):
+            run("tokenize.py", "encode", *corpus, "--tokenizer", o(tok), "--out", o(shards))
     recipes = ["none"] if args.quick else ["none", "tensorwise"]
     common = ["--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len), "--log-every", "1"]
     common += ["--seed", "0", "--export-dtype", "bfloat16", "--async-checkpoint", "false"]
