@@ -132,7 +132,9 @@ def build(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger):
     log.log(
         "model", params=total, trainable=trainable, trainable_pct=pct, targets=",".join(targets), ops=model.ops.name
     )
-    log.log("batch", world=d.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
+    row_len = min(cfg.max_seq_len, model.config.max_seq_len)
+    packed = dict(tokens_per_forward=cfg.max_tokens_per_forward or cfg.micro_batch * row_len) if cfg.packing else {}
+    log.log("batch", world=d.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
     parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile)
     materialize(model, d.device, init=False)
     load_weights_into(model, cfg.model)
@@ -158,11 +160,12 @@ def evaluate(model, val: list, cfg: FinetuneConfig, d: parallel.Dist, pad_id: in
 
 
 def train_step(model, batch: list, params: list, cfg: FinetuneConfig, d, pad_id: int, row_len: int | None = None):
-    """Forward/backward of this rank's micro-batches (packed into rows of `row_len` tokens if given);
-    returns (the step's mean target NLL, grad norm, tokens)."""
+    """Forward/backward of this rank's micro-batches (packed into rows of up to `row_len` tokens if given,
+    at most --max-tokens-per-forward a forward); returns (the step's mean target NLL, grad norm, tokens)."""
     n_targets = sum(sum(x != IGNORE for x in lab[1:]) for _, lab in batch)
     nll = 0.0
-    for x, y, doc_ids in micro_batches(batch, d.rank, d.world_size, cfg.micro_batch, pad_id, d.device, row_len):
+    budget = cfg.max_tokens_per_forward
+    for x, y, doc_ids in micro_batches(batch, d.rank, d.world_size, cfg.micro_batch, pad_id, d.device, row_len, budget):
         loss_sum = model(x, targets=y, reduction="sum", doc_ids=doc_ids)
         # FSDP averages gradients over ranks: scaling by world size makes the step the mean over every target
         # token of the global batch, however it is split.

@@ -18,11 +18,11 @@ A step's encoded conversations become micro-batches in one of two layouts (input
 labels[1:], the pad id in and IGNORE out where nothing is):
 
     padded   `collate`: one conversation a row, right-padded to the longest of the micro-batch;
-    packed   `pack_rows` + `collate_packed`: whole conversations first-fit into rows of `row_len` tokens,
-             with a (rows, row_len) `doc_ids` tensor (0, 1, ... per conversation of the row, one more id
-             for the padding at its end) that the model turns into a block-diagonal causal mask and
-             per-conversation RoPE positions. No conversation is split: truncation to max_len stays
-             `encode_chat`'s, so a row holds at least one whole conversation.
+    packed   `pack_rows` + `collate_packed`: whole conversations packed into rows of up to `row_len` tokens,
+             as many rows a micro-batch as a token budget allows (`micro_batches`), with a `doc_ids` tensor
+             (0, 1, ... per conversation of the row, one more id for the padding at its end) that the model
+             turns into a block-diagonal causal mask and per-conversation RoPE positions. No conversation
+             is split: truncation to max_len stays `encode_chat`'s, so a row holds at least one whole one.
 """
 
 from __future__ import annotations
@@ -157,13 +157,17 @@ def collate(examples: Sequence[Example], pad_id: int, device) -> tuple[torch.Ten
 
 
 def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
-    """First-fit decreasing: the indices of the items in each row of at most `row_len` tokens.
+    """The indices of the items in each row of at most `row_len` tokens, as few rows as first-fit decreasing
+    finds, the items then spread evenly over them (longest first, each to the emptiest row) when that fits.
 
-    Deterministic (ties keep input order); every length must fit a row (encode_chat's truncation sees to it).
+    Even rows can all be cut to the longest one's length, so a row's padding is small (first-fit alone
+    fills the first rows and leaves the last nearly empty). Deterministic (ties keep input order); every
+    length must fit a row (encode_chat's truncation sees to it).
     """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     rows: list[list[int]] = []
     free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for i in order:
         if lengths[i] > row_len:
             raise ValueError(f"a conversation of {lengths[i]} tokens does not fit a row of {row_len}")
         r = next((r for r, f in enumerate(free) if lengths[i] <= f), None)
@@ -173,7 +177,15 @@ def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
             r = len(rows) - 1
         rows[r].append(i)
         free[r] -= lengths[i]
-    return rows
+    even: list[list[int]] = [[] for _ in rows]
+    load = [0] * len(rows)
+    for i in order:
+        r = min(range(len(rows)), key=lambda r: load[r])
+        if load[r] + lengths[i] > row_len:
+            return rows
+        even[r].append(i)
+        load[r] += lengths[i]
+    return even
 
 
 def collate_packed(rows: Sequence[Sequence[Example]], row_len: int, pad_id: int, device):
@@ -193,24 +205,35 @@ def collate_packed(rows: Sequence[Sequence[Example]], row_len: int, pad_id: int,
     return x.to(device), y.to(device), doc.to(device)
 
 
-def micro_batches(batch: Sequence[Example], rank: int, world: int, micro: int, pad_id: int, device, row_len=None):
+def micro_batches(
+    batch: Sequence[Example], rank: int, world: int, micro: int, pad_id: int, device, row_len=None, max_tokens=None
+):
     """This rank's micro-batches of a step: (x, y, doc_ids) tensors, doc_ids None when padded.
 
     Both layouts cut the step into micro-batches the same way on any number of processes and deal them
     out in turn (micro-batch k to rank k % world), so a 2-process run computes what a 1-process run does.
-    Padded: `micro` conversations each. Packed: the whole step's conversations fill rows of `row_len`
-    tokens, `micro` rows each; every rank runs as many as the busiest (FSDP needs the same collectives
-    everywhere), an extra one being a row of padding with no target.
+    Padded: `micro` conversations each. Packed: the whole step's conversations fill rows of at most
+    `row_len` tokens (of `max_tokens` when that is less, but never less than the longest conversation),
+    all cut to the longest row's length (rounded up to 64); a micro-batch takes as many rows as fit in
+    `max_tokens` tokens (default `micro` x `row_len`, the most a padded micro-batch can hold), at least one.
+    Every rank runs as many as the busiest (FSDP needs the same collectives everywhere), an extra one being
+    a row of padding with no target.
     """
     if row_len is None:
         return [
             (*collate(batch[s : s + micro], pad_id, device), None)
             for s in range(rank * micro, len(batch), world * micro)
         ]
-    rows = [[batch[i] for i in row] for row in pack_rows([len(ids) - 1 for ids, _ in batch], row_len)]
-    groups = [rows[s : s + micro] for s in range(0, len(rows), micro)]
-    mine = [collate_packed(g, row_len, pad_id, device) for g in groups[rank::world]]
-    return mine + [collate_packed([[]], row_len, pad_id, device)] * (-(-len(groups) // world) - len(mine))
+    lengths = [len(ids) - 1 for ids, _ in batch]
+    budget = max_tokens or micro * row_len
+    cap = min(row_len, max(budget, max(lengths)))
+    rows = [[batch[i] for i in row] for row in pack_rows(lengths, cap)]
+    longest = max(sum(len(ids) - 1 for ids, _ in row) for row in rows)
+    width = min(cap, -(-longest // 64) * 64)  # few distinct shapes: compiled kernels are reused
+    per = max(1, budget // width)
+    groups = [rows[s : s + per] for s in range(0, len(rows), per)]
+    mine = [collate_packed(g, width, pad_id, device) for g in groups[rank::world]]
+    return mine + [collate_packed([[]], width, pad_id, device)] * (-(-len(groups) // world) - len(mine))
 
 
 # ---------------------------------------------------------------- JSONL files

@@ -136,6 +136,12 @@ class FinetuneConfig:
         "pack each step's conversations into rows of --max-seq-len tokens, attention kept within each "
         "conversation (the same loss as one padded conversation a row, without computing the padding)",
     )
+    max_tokens_per_forward: int | None = _f(
+        None,
+        "packed: tokens per forward, per process (default: --micro-batch x --max-seq-len, the most a padded "
+        "micro-batch can hold); lower it to cap activation memory at the cost of more forwards a step",
+        lo=1,
+    )
     steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
     epochs: float = _f(1.0, "passes over the data when --steps is not given", lo=0.0)
     lr: float = _f(2e-4, "peak learning rate", lo=0.0, hi=1e6)
@@ -145,8 +151,8 @@ class FinetuneConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
     micro_batch: int | None = _f(
         None,
-        "conversations per forward, per process (default: the largest <= 4 that "
-        "divides each process's share of --global-batch)",
+        "conversations per forward, per process, padded (default: the largest <= 4 that "
+        "divides each process's share of --global-batch); packed, it sets --max-tokens-per-forward's default",
         lo=1,
     )
     global_batch: int = _f(16, "conversations per step, all processes", lo=1)

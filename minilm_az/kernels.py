@@ -55,11 +55,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
         valid = targets != ignore_index
         n_valid = int(valid.sum())
         # Grad mode is always off inside forward, so the caller says whether gradients are wanted at all.
-        need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        # Each gradient only if wanted: a frozen head (LoRA) needs no (vocab, dim) fp32 buffer, nor its matmuls.
+        need_h, need_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
+        need_grad = need_h or need_w
         scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_grad else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         for s in range(0, n, chunk):
             hc, tc = h[s : s + chunk], targets[s : s + chunk]
             logits = (hc @ w.T).float()  # (c, V)
@@ -73,16 +75,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 g[torch.arange(len(tc), device=g.device), safe_t] -= 1.0
                 g *= (vc.float() * scale)[:, None]
                 g = g.to(h.dtype)
-                grad_h[s : s + chunk] = g @ w
-                grad_w += (g.T @ hc).float()
-        ctx.save_for_backward(grad_h, grad_w.to(w.dtype) if need_grad else None)
+                if need_h:
+                    grad_h[s : s + chunk] = g @ w
+                if need_w:
+                    grad_w += (g.T @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w.to(w.dtype) if need_w else None)
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out if ctx.needs_input_grad[0] else None
-        gw = grad_w * grad_out if ctx.needs_input_grad[1] else None
+        gh = grad_h * grad_out if grad_h is not None else None
+        gw = grad_w * grad_out if grad_w is not None else None
         return gh, gw, None, None, None, None, None
 
 

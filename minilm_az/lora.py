@@ -6,6 +6,8 @@ the model is unchanged at step 0):
 
     y = x W^T + (alpha / r) · dropout(x) A^T B^T
 
+In training with dropout on, the adapter branch saves x and a seed, not dropout(x) and its mask: backward
+draws the mask again (`_DropoutLoRA`), so adapters sharing an input save it once.
 Inject on the meta model before FSDP sharding (base and adapters then live in the same FSDP unit),
 materialise, load the base weights, then `reset_lora_parameters`. Adapters are written as PEFT's
 `adapter_config.json` + `adapter_model.safetensors` (keys `base_model.model.<module>.lora_A.weight`),
@@ -97,10 +99,56 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight)
         if self.merged:
             return y
+        p = getattr(self.lora_dropout, "p", 0.0)
+        if self.training and p > 0 and torch.is_grad_enabled():
+            return y + _DropoutLoRA.apply(x, self.lora_A, self.lora_B, p, self.scaling, draw_seed())
         return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha}, merged={self.merged}"
+
+
+def draw_seed() -> int:
+    """A dropout seed from torch's default generator (so torch.manual_seed and checkpoint recompute replay it)."""
+    return int(torch.randint(0, 2**62, (1,)))
+
+
+def keep_mask(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Dropout's keep mask for `x` (True with probability 1 - p), the same every time for the same seed."""
+    gen = torch.Generator(device=x.device)
+    gen.manual_seed(seed)
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1 - p, generator=gen)
+
+
+class _DropoutLoRA(torch.autograd.Function):
+    """`scaling · B A dropout(x)`, saving x and a seed where autograd would save dropout(x) and its mask.
+
+    Backward draws the mask again from the seed. The adapters beside one input (q/k/v, gate/up) then save
+    that input once, and no adapter saves a mask: about a third less activation memory per token with
+    dropout on (the default). Dropout itself is unchanged: a Bernoulli(1 - p) mask, kept values scaled by 1/(1-p).
+    """
+
+    @staticmethod
+    def forward(ctx, x, a, b, p: float, scaling: float, seed: int):
+        dropped = x * keep_mask(x, p, seed) * (1 / (1 - p))
+        h = F.linear(dropped, a)  # (..., r): small, saved for B's gradient
+        ctx.save_for_backward(x, a, b, h)
+        ctx.p, ctx.scaling, ctx.seed = p, scaling, seed
+        return F.linear(h, b) * scaling
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b, h = ctx.saved_tensors
+        keep = keep_mask(x, ctx.p, ctx.seed)
+        g = (grad * ctx.scaling).flatten(0, -2)  # (N, out)
+        gh = g @ b  # (N, r)
+        dropped = (x * keep * (1 / (1 - ctx.p))).flatten(0, -2)
+        ga = (gh.T @ dropped).to(a.dtype) if ctx.needs_input_grad[1] else None
+        gb = (g.T @ h.flatten(0, -2)).to(b.dtype) if ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = ((gh @ a).view(x.shape) * keep * (1 / (1 - ctx.p))).to(x.dtype)
+        return gx, ga, gb, None, None, None
 
 
 # ---------------------------------------------------------------- injection and parameter helpers

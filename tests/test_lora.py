@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minilm_az.checkpoint import save_pretrained
@@ -15,6 +14,8 @@ from minilm_az.lora import (
     LoRALinear,
     apply_lora,
     count_parameters,
+    draw_seed,
+    keep_mask,
     load_adapter,
     lora_parameters,
     lora_state_dict,
@@ -64,20 +65,49 @@ def test_lora_linear_equals_base_at_init():
     assert torch.equal(layer(x), base(x))
 
 
-def test_lora_linear_matches_formula_with_dropout():
+def test_lora_linear_matches_formula_and_autograd_with_dropout():
+    """The seeded dropout branch (mask drawn again in backward) against autograd through the same mask."""
     _, layer = _layer(dropout=0.3)
     _trained(layer)
     layer.train()
-    x = torch.randn(4, 12)
+    x = torch.randn(3, 4, 12, requires_grad=True)
     torch.manual_seed(123)
     y = layer(x)
+    y.square().sum().backward()
+    got = [t.grad.clone() for t in (x, layer.lora_A, layer.lora_B)]
+    for t in (x, layer.lora_A, layer.lora_B):
+        t.grad = None
     torch.manual_seed(123)
-    dx = F.dropout(x, 0.3, training=True)
+    keep = keep_mask(x, 0.3, draw_seed())
+    assert 0.5 < keep.float().mean() < 0.9  # a Bernoulli(0.7) mask
+    dx = x * keep / 0.7
     by_hand = x @ layer.weight.T + layer.scaling * dx @ layer.lora_A.T @ layer.lora_B.T
     assert layer.scaling == 8.0 / 4
-    torch.testing.assert_close(y, by_hand, rtol=0, atol=1e-6)
+    torch.testing.assert_close(y, by_hand, rtol=0, atol=1e-5)
+    by_hand.square().sum().backward()
+    for g, t in zip(got, (x, layer.lora_A, layer.lora_B)):
+        torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-5 * float(t.grad.abs().max()))
     layer.eval()  # dropout off in eval
-    torch.testing.assert_close(layer(x), x @ layer.weight.T + 2.0 * x @ layer.lora_A.T @ layer.lora_B.T)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + 2.0 * x @ layer.lora_A.T @ layer.lora_B.T)
+
+
+def test_adapters_sharing_an_input_save_it_once_and_no_dropout_output():
+    """q/k/v-style adapters on one input: autograd keeps that input once, not a dropped copy and mask each."""
+    torch.manual_seed(0)
+    layers = [LoRALinear(nn.Linear(64, 64, bias=False), 4, 8.0, 0.1) for _ in range(3)]
+    x = torch.randn(32, 64, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for m in layers for p in m.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sum(m(x).sum() for m in layers).backward()
+    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+    assert activations <= x.numel() * 4 + 3 * 32 * 4 * 4  # x once, plus each adapter's (32, r) A output
 
 
 def test_merged_equals_unmerged_and_unmerge_restores():

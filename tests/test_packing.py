@@ -50,16 +50,18 @@ def test_packed_step_has_the_padded_loss_and_lora_gradients(tok, convs):
     cfg = FinetuneConfig(micro_batch=2, lora_r=4, lora_dropout=0.0, grad_clip=0.0)
     pad_id = tok.token_to_id(PAD)
     results = {}
-    for row_len in (None, 128, 300):  # padded; packed into rows of max_len, and into longer rows
+    # padded; packed into rows of max_len, into longer rows, and into forwards of at most 128 tokens
+    for row_len, budget in ((None, None), (128, None), (300, None), (128, 128)):
         model = _lora_model(tok.get_vocab_size())
         params = lora.lora_parameters(model)
+        cfg.max_tokens_per_forward = budget
         loss, gn, n_tokens = finetune.train_step(model, convs, params, cfg, CPU, pad_id, row_len)
-        results[row_len] = loss, gn, n_tokens, [p.grad.clone() for p in params]
+        results[row_len, budget] = loss, gn, n_tokens, [p.grad.clone() for p in params]
     n_micro = len(micro_batches(convs, 0, 1, 2, pad_id, "cpu", 128))
     assert 1 < n_micro < len(convs) // 2  # packing did pack, into more than one micro-batch
-    loss0, gn0, tokens0, grads0 = results[None]
-    for row_len in (128, 300):
-        loss, gn, n_tokens, grads = results[row_len]
+    loss0, gn0, tokens0, grads0 = results[None, None]
+    for key in ((128, None), (300, None), (128, 128)):
+        loss, gn, n_tokens, grads = results[key]
         assert n_tokens == tokens0
         assert abs(loss - loss0) <= 1e-5 * max(1.0, abs(loss0)), (row_len, loss, loss0)
         assert abs(gn - gn0) <= 1e-5 * max(1.0, gn0)
@@ -125,6 +127,22 @@ def test_rows_hold_whole_conversations_and_every_rank_runs_as_many_micro_batches
     assert (three[1][1][1] == IGNORE).all() and (three[2][1][1] == IGNORE).all()  # the extra ones train nothing
     targets = sum(int((y != IGNORE).sum()) for mbs in three for _, y, _ in mbs)
     assert targets == sum(sum(t != IGNORE for t in lab[1:]) for _, lab in step)
+
+
+def test_a_token_budget_caps_each_forward_and_keeps_every_conversation(tok, convs):
+    pad_id, lengths = tok.token_to_id(PAD), [len(ids) - 1 for ids, _ in convs]
+    real = sum(lengths)
+    default = micro_batches(convs, 0, 1, 4, pad_id, "cpu", 128)  # budget 4 x 128
+    assert sum(x.numel() for x, _, _ in default) < real * 1.15  # even rows, cut to the longest: little padding
+    for budget in (128, 256, 300, 1000):
+        mbs = micro_batches(convs, 0, 1, 4, pad_id, "cpu", 128, max_tokens=budget)
+        assert all(x.numel() <= max(budget, max(lengths)) for x, _, _ in mbs)
+        assert sum(int((x != pad_id).sum()) for x, _, _ in mbs) == real  # every token of every conversation
+        assert sum(int((y != IGNORE).sum()) for _, y, _ in mbs) == sum(
+            sum(t != IGNORE for t in lab[1:]) for _, lab in convs
+        )
+    assert len(micro_batches(convs, 0, 1, 4, pad_id, "cpu", 128, max_tokens=128)) >= real / 128
+    assert len(micro_batches(convs, 0, 1, 4, pad_id, "cpu", 1024, max_tokens=4096)) == 1  # one forward when it fits
 
 
 @pytest.fixture(scope="module")
