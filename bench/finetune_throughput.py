@@ -1,24 +1,26 @@
 """LoRA fine-tuning throughput of ours (packed, padded) against Hugging Face + peft (+ Liger), one run, one GPU.
 
-    python bench/finetune_throughput.py --out bench/results/finetune_throughput_h200.json   # H200: ~4 min
+    python bench/finetune_throughput.py --warm-all --out bench/results/finetune_throughput_h200.json  # H200: ~5 min
     python bench/finetune_throughput.py --preset tiny --device cpu --quick                  # smoke test
 
 Every row trains the same steps: a random-init model (the 1B preset, vocab = an 8,000-id tokenizer trained
 here on data/az, rounded up to 64), LoRA r=64, alpha 28, dropout 0.05 on all 7 projections, 16 conversations
 a step in micro-batches of 4 (conversations, or packed rows of --max-seq-len tokens), AdamW (fused) + grad
-clip 1.0, `--warmup` untimed then `--steps` timed steps over the same seeded batch order. Two sets: `short`,
+clip 1.0, `--warmup` untimed then `--steps` timed steps over the same seeded batch order (with `--warm-all`,
+the timed steps also run once untimed first, so no shape meets a compiler while timed). Two sets: `short`,
 the demo chat set (data/chat); `long`, multi-turn conversations made of 4-14 of its conversations' turns
 (truncated at --max-seq-len as finetune.py does). Throughput counts real tokens only: every row gets the
 same conversations, so the same real tokens per step, whatever it pads.
 
 - ours_packed / ours_padded: finetune.py's own `build` steps (LoRA on the meta model, frozen base cast to
   bf16, FSDP2 over one GPU with bf16 compute, fp32 adapters) and its `train_step`, `--packing` on / off;
+  ours_packed_capped (short set): `--max-tokens-per-forward --cap-tokens` (1,024), the memory-capped setting;
 - peer_padded: `transformers.LlamaForCausalLM` in bf16 + `peft.get_peft_model` (fp32 adapters), bf16
   autocast, SDPA, `apply_liger_kernel_to_llama()` when liger-kernel is installed; right-padded micro-batches
   with an attention mask, as the HF Trainer's default collator gives;
-- peer_packed: the same model fed as TRL's padding-free collator does (one row of the micro-batch's
-  conversations back to back, `position_ids` restarting, no attention mask: transformers builds the
-  block-diagonal mask from the positions).
+- peer_packed: the same model fed by `transformers.DataCollatorWithFlattening`, the padding-free collator
+  TRL uses (one row of the micro-batch's conversations back to back, `position_ids` restarting, the first
+  label of each -100, no attention mask: transformers builds the block-diagonal SDPA mask from the positions).
 
 Also: the packed and padded first-step loss with dropout off (equal but for bf16 rounding), and the peak
 memory of the 1B with our 100k vocabulary at r=64, max_seq_len 1024 (the A10G/g5 case, 24 GB).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import glob
 import importlib.util
@@ -137,14 +140,24 @@ def build_peer(mcfg, fc: FinetuneConfig, device, liger: bool):
     return model, step, dtypes
 
 
+def layout_counts(batch, name, layout, fc, pad_id) -> tuple[int, int]:
+    """(forwards, tokens computed) of one step in this row's layout, padding included."""
+    if name.startswith("ours"):
+        mbs = finetune.micro_batches(batch, 0, 1, fc.micro_batch, pad_id, "cpu", layout, fc.max_tokens_per_forward)
+        return len(mbs), sum(x.numel() for x, _, _ in mbs)
+    kws = [
+        peer_inputs(batch[s : s + fc.micro_batch], layout, pad_id, "cpu") for s in range(0, len(batch), fc.micro_batch)
+    ]
+    return len(kws), sum(kw["input_ids"].numel() for kw in kws)
+
+
 def peer_inputs(examples, packed: bool, pad_id: int, device) -> dict:
     """HF inputs: right-padded with an attention mask, or one padding-free row with restarting position_ids."""
-    if packed:
-        ids = [t for e, _ in examples for t in e]
-        labels = [t for _, lab in examples for t in [IGNORE] + lab[1:]]  # no target across a boundary
-        pos = [p for e, _ in examples for p in range(len(e))]
-        t = lambda v: torch.tensor([v], device=device)  # noqa: E731
-        return {"input_ids": t(ids), "labels": t(labels), "position_ids": t(pos)}
+    if packed:  # labels: the first of each conversation -100, so no target crosses a boundary
+        from transformers import DataCollatorWithFlattening
+
+        kw = DataCollatorWithFlattening()([{"input_ids": e, "labels": lab} for e, lab in examples])
+        return {k: kw[k].to(device) for k in ("input_ids", "labels", "position_ids")}
     T = max(len(e) for e, _ in examples)
     x = torch.full((len(examples), T), pad_id)
     y = torch.full((len(examples), T), IGNORE)
@@ -185,6 +198,9 @@ def run_row(name, builder, examples, layout, fc, args, device, pad_id) -> dict:
         dt = (time.perf_counter() - t) / args.steps
         real = sum(len(ids) - 1 for b in batches[args.warmup :] for ids, _ in b) / args.steps
         row.update(step_s=dt, real_tokens_per_step=real, real_tokens_per_s=real / dt, loss=float(loss))
+        counts = [layout_counts(b, name, layout, fc, pad_id) for b in batches[args.warmup :]]
+        row.update(forwards_per_step=sum(f for f, _ in counts) / args.steps)
+        row.update(computed_tokens_per_step=sum(t for _, t in counts) / args.steps)
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except torch.cuda.OutOfMemoryError:
@@ -241,6 +257,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--n-long", type=int, default=160)
     p.add_argument("--memory-vocab", type=int, default=100_352, help="vocab of the 1B memory case (0: skip it)")
+    p.add_argument("--cap-tokens", type=int, default=1024, help="--max-tokens-per-forward of the capped row")
     p.add_argument(
         "--warm-all",
         action="store_true",
@@ -254,6 +271,7 @@ def main():
     device, cuda = d.device, d.device.type == "cuda"
     if args.quick:
         args.warmup, args.steps, args.n_long, args.max_seq_len, args.memory_vocab = 1, 2, 32, 256, 0
+        args.cap_tokens = 256
     lines = [ln.strip() for f in sorted(glob.glob(os.path.join(ROOT, "data/az/*.txt"))) for ln in open(f) if ln.strip()]
     tok = train_tokenizer(lines, 8000, progress=False)
     pad_id = tok.token_to_id(PAD)
@@ -264,22 +282,26 @@ def main():
     fc = FinetuneConfig(lora_r=64, lora_alpha=28.0, lora_dropout=0.05, micro_batch=4, global_batch=16, liger=liger)
     if args.quick:
         fc.lora_r = 8
-    plan = [
-        ("ours_packed", lambda: build_ours(mcfg, fc, d), max_len),
-        ("ours_padded", lambda: build_ours(mcfg, fc, d), None),
-        ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False),
-        ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True),
+    capped = dataclasses.replace(fc, max_tokens_per_forward=args.cap_tokens)
+    plan = [  # (variant, builder, layout, config, sets)
+        ("ours_packed", lambda: build_ours(mcfg, fc, d), max_len, fc, ("short", "long")),
+        ("ours_packed_capped", lambda: build_ours(mcfg, capped, d), max_len, capped, ("short",)),
+        ("ours_padded", lambda: build_ours(mcfg, fc, d), None, fc, ("short", "long")),
+        ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
+        ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True, fc, ("short", "long")),
     ]
     if args.only:
         plan = [r for r in plan if r[0] in set(args.only.split(","))]
     rows = []
     for set_name, examples in sets.items():
         args.set_name, args.check_loss = set_name, True
-        for name, builder, layout in plan:
-            rows.append(run_row(name, builder, examples, layout, fc, args, device, pad_id))
+        for name, builder, layout, cfg, on in plan:
+            if set_name not in on:
+                continue
+            rows.append(run_row(name, builder, examples, layout, cfg, args, device, pad_id))
             if name == "ours_packed" and "error" in rows[-1] and cuda:  # flex failed: the SDPA-mask path instead
                 with sdpa_mask_on_cuda():
-                    rows.append(run_row(name + "_sdpa", builder, examples, layout, fc, args, device, pad_id))
+                    rows.append(run_row(name + "_sdpa", builder, examples, layout, cfg, args, device, pad_id))
     if args.memory_vocab:  # the 1B with our 100k vocabulary, r=64, max_seq_len 1024, the long set
         big = get_preset(args.preset, args.memory_vocab)
         args.set_name, args.check_loss = "long", False
@@ -292,7 +314,8 @@ def main():
 
 def report(rows, sets, args, liger, mcfg, max_len):
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    print(f"\n{'set':6s} {'variant':22s} {'step s':>7s} {'real tok/s':>10s} {'vs peer_padded':>14s} {'peak GiB':>8s}")
+    head = f"{'set':6s} {'variant':22s} {'step s':>7s} {'real tok/s':>10s} {'vs peer_padded':>14s} {'peak GiB':>8s}"
+    print(f"\n{head} {'fwd/step':>8s} {'computed tok':>12s}")
     for r in rows:
         peer = next((q for q in rows if q["set"] == r["set"] and q["variant"] == "peer_padded"), {})
         if "real_tokens_per_s" not in r:
@@ -301,7 +324,8 @@ def report(rows, sets, args, liger, mcfg, max_len):
         ratio = r["real_tokens_per_s"] / peer["real_tokens_per_s"] if "real_tokens_per_s" in peer else float("nan")
         print(
             f"{r['set']:6s} {r['variant']:22s} {r['step_s']:7.3f} {r['real_tokens_per_s']:10.0f} {ratio:14.2f} "
-            f"{r.get('peak_gib', float('nan')):8.2f}"
+            f"{r.get('peak_gib', float('nan')):8.2f} {r['forwards_per_step']:8.2f} "
+            f"{r['computed_tokens_per_step']:12.0f}"
         )
     for r in rows:
         if "check_loss" in r:
