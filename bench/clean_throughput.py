@@ -3,6 +3,7 @@ against datatrove running the equivalent steps on the same input and cores in th
 
     python bench/clean_throughput.py                      # the full planted set, 2 workers
     python bench/clean_throughput.py --scale 8 --workers 2 --no-peer
+    python bench/clean_throughput.py --scale 128 --engines ours-nolid --dedup-memory-mb 64   # index spilled
 
 The planted set (`planted_set`, also what tests/test_clean.py uses at a small size): real Azerbaijani
 documents (2-5 random lines of data/az joined), 10 % exact duplicates (half verbatim, half with whitespace
@@ -13,7 +14,8 @@ memory; recall and precision are always measured on the scale-1 set, where the l
 
 Each engine runs in its own process (peak memory: the summed PSS of it and its children, sampled); datatrove gets
 its LocalPipelineExecutor with `--workers` tasks and workers. Its language filter needs a fastText model
-download, so datatrove runs without LID, and ours is timed both with and without it.
+download, so datatrove runs without LID, and ours is timed both with and without it. `--dedup-memory-mb` is
+our dedup indexes' RAM budget (past it they spill to disk); scale it against the input to see memory stay flat.
 """
 
 from __future__ import annotations
@@ -137,11 +139,11 @@ def lid_table(thresholds=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9)) -> None:
 # ---------------------------------------------------------------- the runs (each in a child process)
 
 
-def run_ours(inp: str, out: str, workers: int, lang: str) -> None:
+def run_ours(inp: str, out: str, workers: int, lang: str, memory_mb: float) -> None:
     from minilm_az import clean
     from minilm_az import tokenizer as tk
 
-    rules = clean.Rules(lang=lang)
+    rules = clean.Rules(lang=lang, dedup_memory_mb=memory_mb)
     os.makedirs(out, exist_ok=True)
     clean.clean_corpus(tk.iter_documents([inp]), out, rules, workers)
 
@@ -221,15 +223,17 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=1, help="independent groupings of data/az (more documents)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--no-peer", action="store_true", help="skip datatrove")
+    p.add_argument("--engines", default="ours,ours-nolid,datatrove", help="comma-separated: which to time")
+    p.add_argument("--dedup-memory-mb", type=float, default=512, help="ours: the dedup indexes' RAM budget")
     p.add_argument("--lid", action="store_true", help="only the language-ID table on the real lines")
-    p.add_argument("--run", nargs=4, help=argparse.SUPPRESS)  # child: ENGINE INPUT OUT WORKERS
+    p.add_argument("--run", nargs=5, help=argparse.SUPPRESS)  # child: ENGINE INPUT OUT WORKERS MB
     args = p.parse_args()
     if args.run:
-        engine, inp, out, workers = args.run
+        engine, inp, out, workers, mb = args.run
         if engine == "datatrove":
             run_datatrove(inp, out, int(workers))
         else:
-            run_ours(inp, out, int(workers), "az" if engine == "ours" else "none")
+            run_ours(inp, out, int(workers), "az" if engine == "ours" else "none", float(mb))
         return
     if args.lid:
         return lid_table()
@@ -238,7 +242,8 @@ def main() -> None:
     # recall/precision on the issue's set (scale 1): with several groupings of the same lines, "unique"
     # documents share lines, so some are real near duplicates of each other and the labels stop being truth
     planted = planted_set()
-    steps = [d.step for d in clean.clean_documents((t for t, _, _ in planted), clean.Rules(), args.workers)]
+    rules = clean.Rules(dedup_memory_mb=args.dedup_memory_mb)
+    steps = [d.step for d in clean.clean_documents((t for t, _, _ in planted), rules, args.workers)]
     print(json.dumps(scores(planted, steps), indent=1))
     docs = planted_set(scale=args.scale)
     tmp = tempfile.mkdtemp(prefix="clean-bench-")
@@ -246,13 +251,15 @@ def main() -> None:
     with open(inp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t, _, _ in docs)
     rows = []
-    for engine in ["ours", "ours-nolid"] + ([] if args.no_peer else ["datatrove"]):
+    engines = [e for e in args.engines.split(",") if not (args.no_peer and e == "datatrove")]
+    for engine in engines:
         out = os.path.join(tmp, engine)
-        seconds, mb = timed(["--run", engine, inp, out, str(args.workers)])
+        seconds, mb = timed(["--run", engine, inp, out, str(args.workers), str(args.dedup_memory_mb)])
         rows.append((engine, len(docs) / seconds, mb, seconds, _count_out(out)))
     base = rows[0]
     print(
-        f"\n{len(docs)} documents ({os.path.getsize(inp) / 1e6:.1f} MB), {args.workers} workers, {os.cpu_count()} CPUs"
+        f"\n{len(docs)} documents ({os.path.getsize(inp) / 1e6:.1f} MB), {args.workers} workers, "
+        f"{os.cpu_count()} CPUs, ours' dedup budget {args.dedup_memory_mb:g} MB"
     )
     print("| engine | docs/s | peak PSS MB | seconds | docs out | docs/s vs ours | memory vs ours |")
     print("|---|---|---|---|---|---|---|")

@@ -241,6 +241,9 @@ class TokenizeCleanConfig(CorpusConfig):
     near_threshold: float = _f(
         0.7, "estimated Jaccard (character 5-grams) that makes a near-duplicate", lo=0.05, hi=1.0
     )
+    dedup_memory_mb: int = _f(
+        512, "RAM of the dedup indexes; past it they spill to OUT (a temp folder), with the same verdicts", lo=64
+    )
     workers: int | None = _f(None, "processes for normalise/lang/quality/hashing (default: CPUs)", lo=1)
     shard_mb: int = _f(256, "MB of text per clean-*.jsonl.gz file", lo=1)
     samples: int = _f(5, "removed documents kept per reason in clean_report.json, for a human to check", lo=0)

@@ -144,9 +144,12 @@ def test_dedup_indexes_give_the_same_result_once_their_keys_are_frozen_into_sort
     assert [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())] == before
 
 
-def test_key_table_answers_like_a_dict_of_first_values():
+@pytest.mark.parametrize("budget", [1 << 30, 1 << 14])  # all in RAM; every run spilled to disk
+def test_key_table_answers_like_a_dict_of_first_values(budget, tmp_path, monkeypatch):
+    monkeypatch.setattr(clean, "KEY_BUFFER", 100)
     rng = np.random.default_rng(0)
-    table, ref = clean.KeyTable(buffer=100), {}
+    spill = clean.SpillDir(str(tmp_path))
+    table, ref = clean.KeyTable(budget, spill), {}
     for batch in range(40):
         keys = rng.integers(0, 3000, 64, dtype=np.uint64) * np.uint64(2**52)  # repeats, and keys past 2^63
         frozen = table.frozen(keys)
@@ -157,8 +160,68 @@ def test_key_table_answers_like_a_dict_of_first_values():
             if hit < 0:
                 table.recent.setdefault(key, batch)
         table.freeze()
-    stored = {key for keys, _ in table.runs for key in keys.tolist()} | set(table.recent)
-    assert len(table.runs) > 1 and stored == set(ref)
+    on_disk = [isinstance(r, clean._DiskRun) for r in table.runs]
+    assert len(table.runs) > 1 and all(on_disk) == (budget < 1 << 20) and any(on_disk) == all(on_disk)
+    stored = {key for r in table.runs for part in r.chunks(100) for key in part["key"].tolist()} | set(table.recent)
+    assert stored == set(ref)
+    table.close()
+    spill.remove()
+    assert os.listdir(tmp_path) == []
+
+
+def test_dedup_spilled_to_disk_decides_as_in_ram_and_removes_its_files(planted, tmp_path, monkeypatch):
+    monkeypatch.setattr(clean, "KEY_BUFFER", 200)  # runs freeze every few batches, and merge
+    texts = [t for t, _, _ in planted]
+    in_ram = [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())]
+    tiny = clean.Rules(dedup_memory_mb=0.1)  # every run and most signatures on disk
+    spilled, got = set(), []
+    for d in clean.clean_documents(texts, tiny, workers=2, spill_parent=str(tmp_path)):
+        got.append((d.step, d.detail))
+        spilled |= {f.split("-")[0] for sub in os.listdir(tmp_path) for f in os.listdir(tmp_path / sub)}
+    assert got == in_ram and spilled == {"keys", "signatures"}
+    assert os.listdir(tmp_path) == []  # the spill folder went with the generator's end
+    decisions = clean.clean_documents(texts, tiny, spill_parent=str(tmp_path))
+    for _ in range(300):
+        next(decisions)
+    assert os.listdir(tmp_path) != []
+    decisions.close()  # stopped early: removed too
+    assert os.listdir(tmp_path) == []
+    r = clean.clean_corpus(texts, str(tmp_path / "out"), tiny)
+    assert sorted(os.listdir(tmp_path / "out")) == r["files"]  # shards only, no spill folder
+    assert read_out(tmp_path / "out") == [t for t, (step, _) in zip(texts, in_ram) if step is None]
+
+
+def test_dedup_index_ram_stays_under_its_budget_however_many_documents_it_holds(tmp_path, monkeypatch):
+    """40,000 kept documents hold 19 MB of band keys and signatures: the index keeps <= 6 MB of it in RAM, by
+    its own count after every batch and by tracemalloc (every allocation it made, numpy's included)."""
+    import tracemalloc
+
+    monkeypatch.setattr(clean, "KEY_BUFFER", 4096)  # the dict of recent keys, fixed: 1.4 MB with a batch's
+    budget, rng = 6 << 20, np.random.default_rng(0)
+    spill = clean.SpillDir(str(tmp_path))
+    tracemalloc.start()
+    index, traced = clean.NearIndex(0.7, budget, spill), []
+    first = rng.integers(0, 2**32, (8, clean.NUM_PERM), dtype=np.uint32)
+    for batch in range(40_000 // clean.BATCH_DOCS + 1):
+        sigs = rng.integers(0, 2**32, (clean.BATCH_DOCS, clean.NUM_PERM), dtype=np.uint32)
+        sigs[:8] = first  # 8 documents of the first batch again in every later one: found on disk
+        bands = clean.band_keys(sigs)
+        frozen = index.candidates(bands)
+        matched = [index.match_or_add(s, b, f) for s, b, f in zip(sigs, bands, frozen)]
+        assert sum(m is not None for m in matched) == (8 if batch else 0)
+        index.bands.freeze()
+        assert index.ram_bytes <= budget
+        full = index.bands.bloom is not None and index.bands.bloom.nbytes == index.bands.bloom_bytes
+        traced.append((*tracemalloc.get_traced_memory(), full))
+    tracemalloc.stop()
+    assert len(index.bands) * 12 + index.n * 240 > 3 * budget  # what it holds
+    assert index.bands.disk_bytes + index.sigs.first * index.sigs.rows * 240 > 2 * budget  # on disk
+    assert max(peak for _, peak, _ in traced) <= budget, traced  # the peak: merges and lookups included
+    # the Bloom filter grows (2x at a time) up to its share; from then on the RAM is flat
+    after = [current for current, _, full in traced if full]
+    assert len(after) >= 10 and max(after) <= after[0] + budget // 16, after
+    index.close()
+    spill.remove()
 
 
 # ---------------------------------------------------------------- the parts
