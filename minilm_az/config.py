@@ -92,7 +92,7 @@ class TrainConfig:
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
     fp8: str = _f(
         "none",
-        "float8 matmuls in the blocks' large linears (torchao; CUDA compute capability 8.9+, with --compile)",
+        "float8 matmuls in the blocks' linears, rowwise only the large ones (torchao; CUDA 8.9+, with --compile)",
         choices=("none", "tensorwise", "rowwise"),
     )
     fp8_all_gather: str = _f(

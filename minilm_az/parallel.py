@@ -222,13 +222,13 @@ def fp8_pays(recipe: str, linear: nn.Linear) -> bool:
     return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
 
 
-def apply_fp8(model: nn.Module, recipe: str, all_gather: bool) -> int:
-    """Swap the blocks' big `nn.Linear`s for torchao's `Float8Linear` (same `weight`, so the same names,
-    checkpoints and export); the head and embeddings stay bf16. Returns how many were converted.
+def apply_fp8(model: nn.Module, recipe: str, all_gather: bool) -> None:
+    """Swap the blocks' `nn.Linear`s that `fp8_pays` picks for torchao's `Float8Linear` (same `weight`, so the
+    same names, checkpoints and export); the head and embeddings stay bf16.
 
     `all_gather` (tensorwise only) makes FSDP2 gather weights already cast to float8: half the all-gather
     bytes, for a scale computed once per step (`fp8_scale_hook`). It pays with several GPUs; on one it cost
-    3-11 % (bench/RESULTS.md).
+    1-2 % (bench/RESULTS.md).
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -240,9 +240,6 @@ def apply_fp8(model: nn.Module, recipe: str, all_gather: bool) -> int:
         config=config,
         module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fp8_pays(recipe, m),
     )
-    from torchao.float8.float8_linear import Float8Linear
-
-    return sum(isinstance(m, Float8Linear) for m in model.model.layers.modules())
 
 
 def fp8_scale_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on: bool) -> None:
