@@ -15,6 +15,7 @@ same conversations, so the same real tokens per step, whatever it pads.
 - ours_packed / ours_padded: finetune.py's own `build` steps (LoRA on the meta model, frozen base cast to
   bf16, FSDP2 over one GPU with bf16 compute, fp32 adapters) and its `train_step`, `--packing` on / off;
   ours_packed_capped (short set): `--max-tokens-per-forward --cap-tokens` (1,024), the memory-capped setting;
+  ours_*_compile (CUDA): `--compile`, each block through torch.compile (fewer, fused kernel launches);
 - peer_padded: `transformers.LlamaForCausalLM` in bf16 + `peft.get_peft_model` (fp32 adapters), bf16
   autocast, SDPA, `apply_liger_kernel_to_llama()` when liger-kernel is installed; right-padded micro-batches
   with an attention mask, as the HF Trainer's default collator gives;
@@ -77,11 +78,11 @@ def make_sets(tok, max_len: int, n_long: int, seed: int = 0) -> dict[str, list]:
 
 def build_ours(mcfg, fc: FinetuneConfig, d: parallel.Dist):
     """finetune.build's steps, with a random base instead of loaded weights."""
-    model = meta_model(mcfg, select_ops(d.device, fc.liger))
+    model = meta_model(mcfg, select_ops(d.device, fc.liger, compile=fc.compile))
     lora.apply_lora(model, r=fc.lora_r, alpha=fc.lora_alpha, dropout=fc.lora_dropout, targets=TARGETS.split(","))
     if d.device.type == "cuda":
         lora.cast_frozen(model, torch.bfloat16)
-    parallel.parallelize(model, mixed_precision=d.device.type == "cuda")
+    parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=fc.ac, compile=fc.compile)
     materialize(model, d.device, seed=0)
     lora.reset_lora_parameters(model, seed=0)
     params = lora.lora_parameters(model)
@@ -283,10 +284,14 @@ def main():
     if args.quick:
         fc.lora_r = 8
     capped = dataclasses.replace(fc, max_tokens_per_forward=args.cap_tokens)
+    compiled = dataclasses.replace(fc, compile=True)
+    gpu_sets = ("short", "long") if cuda else ()  # compiled rows: CUDA only (CPU Inductor is slow to build)
     plan = [  # (variant, builder, layout, config, sets)
         ("ours_packed", lambda: build_ours(mcfg, fc, d), max_len, fc, ("short", "long")),
         ("ours_packed_capped", lambda: build_ours(mcfg, capped, d), max_len, capped, ("short",)),
         ("ours_padded", lambda: build_ours(mcfg, fc, d), None, fc, ("short", "long")),
+        ("ours_packed_compile", lambda: build_ours(mcfg, compiled, d), max_len, compiled, gpu_sets),
+        ("ours_padded_compile", lambda: build_ours(mcfg, compiled, d), None, compiled, gpu_sets),
         ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
         ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True, fc, ("short", "long")),
     ]

@@ -3,7 +3,8 @@
     python bench/fp8_convergence.py --out-dir /tmp/fp8conv      # H200: ~6 min (1B, 300 steps each)
     python bench/fp8_convergence.py --preset tiny --steps 20 --quick   # a smoke test of the script (CPU: bf16 only)
 
-Real text: data/az (the embedded corpus) through tokenize.py train (8k vocab) and encode; then train.py --phase 2
+Real text: --corpus (default data/az, the embedded corpus; bench/man_corpus.sh makes a larger one that 300 steps
+read less than once) through tokenize.py train (8k vocab) and encode; then train.py --phase 2
 from random init (the 1B shape) for --steps steps, `--compile`, logging every step, once per --fp8 value; then
 phase 1 (embeddings only, vocabulary transfer from the bf16 phase-2 model to a second tokenizer) likewise.
 Prints the windowed mean losses, their relative difference, the final val BPB of each run, and writes the
@@ -51,9 +52,12 @@ def window_means(curve: list[float], width: int) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default="/tmp/fp8_convergence")
+    p.add_argument(
+        "--corpus", default="data/az", help="text to train on; data/az is ~150k tokens (300 steps of 8 rows see it 16x)"
+    )
     p.add_argument("--preset", default="llama3.2-1b")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--phase1-steps", type=int, default=150)
+    p.add_argument("--phase1-steps", type=int, default=150, help="0: phase 2 only")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--window", type=int, default=50, help="steps per window of the mean-loss table")
@@ -62,7 +66,7 @@ def main() -> None:
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
     for tok, vocab, shards in (("tok", 8000, "shards"), ("tok2", 6000, "shards2")):
-        corpus = ["--corpus", "data/az", "--no-progress"]
+        corpus = ["--corpus", args.corpus, "--no-progress"]
         if not os.path.isfile(o(tok, "tokenizer.json")):
             run("tokenize.py", "train", *corpus, "--vocab-size", str(vocab), "--out", o(tok))
         if not os.path.isfile(o(shards, "index.json")):
@@ -72,7 +76,8 @@ def main() -> None:
     common += ["--seed", "0", "--export-dtype", "bfloat16", "--async-checkpoint", "false"]
     common += [] if args.quick else ["--compile"]
     results = {}
-    for phase in (2, 1):
+    phases = (2, 1) if args.phase1_steps else (2,)  # --phase1-steps 0: phase 2 only
+    for phase in phases:
         for recipe in recipes:
             out = o(f"phase{phase}_{recipe}")
             if phase == 2:
@@ -111,7 +116,7 @@ def main() -> None:
     for name, r in results.items():
         w = window_means(r["loss"], args.window)
         print(f"{name:22s} " + " ".join(f"{v:7.4f}" for v in w) + f"  {r['val_bpb']:.4f}")
-    for phase in (2, 1):
+    for phase in phases:
         ref, fp8 = results.get(f"phase{phase}_none"), results.get(f"phase{phase}_tensorwise")
         if ref and fp8:
             a, b = window_means(ref["loss"], args.window)[-1], window_means(fp8["loss"], args.window)[-1]
@@ -129,8 +134,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, phase in zip(axes, (2, 1)):
+    fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
         for recipe in recipes:
             r = results[f"phase{phase}_{recipe}"]
             ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=f"--fp8 {recipe}", lw=0.8)

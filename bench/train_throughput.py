@@ -11,7 +11,8 @@ the peer is `transformers.LlamaForCausalLM` in fp32 with bf16 autocast and
 
 The `ours_fp8_*` rows (CUDA, torchao) are `--compile --liger` with `train.py --fp8`: tensorwise or rowwise
 scales, `_all_gather` = float8 all-gather with scales precomputed after each step, `_cudnn` = SDPA's cuDNN
-attention instead of flash attention, `_ac_full` = with full activation checkpointing.
+attention instead of flash attention, `_ac_full` = with full activation checkpointing, `_cdt` = Inductor's
+coordinate-descent tuning of its kernels, `_autotune` = that + max-autotune (Triton GEMM templates tried too).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def build_ours(
     if fp8_opts.get("cudnn"):  # SDPA's cuDNN attention instead of flash (run_row resets it)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
+    if fp8_opts.get("cdt") or fp8_opts.get("autotune"):  # Inductor's tuning searches (run_row resets them)
+        import torch._inductor.config as inductor
+
+        inductor.coordinate_descent_tuning, inductor.max_autotune = True, bool(fp8_opts.get("autotune"))
     materialize(model, device, seed=0)
     return model, train_step(model, lambda x, y: model(x, targets=y), device, ag)
 
@@ -148,6 +153,9 @@ def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
     finally:
         torch.backends.cuda.enable_flash_sdp(True)
         torch.backends.cuda.enable_mem_efficient_sdp(True)
+        import torch._inductor.config as inductor
+
+        inductor.coordinate_descent_tuning = inductor.max_autotune = False
         del model, step
         gc.collect()
         if device.type == "cuda":
@@ -206,6 +214,8 @@ def main():
         ("tensorwise", "none", {"cudnn": True}, [14, 28]),
         ("tensorwise", "full", {}, [14, 32]),
         ("tensorwise", "full", {"all_gather": True}, [14]),
+        ("tensorwise", "none", {"cdt": True}, [28]),  # Inductor's coordinate-descent tuning of its kernels
+        ("tensorwise", "none", {"autotune": True}, [28]),  # + max-autotune (Triton GEMM templates tried)
     ]
     for recipe, ac, opts, sizes in fp8_rows if cuda else []:
         name = f"ours_fp8_{recipe}" + "".join(f"_{k}" for k in opts) + ("_ac_full" if ac == "full" else "")

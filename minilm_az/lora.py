@@ -100,7 +100,9 @@ class LoRALinear(nn.Module):
         if self.merged:
             return y
         p = getattr(self.lora_dropout, "p", 0.0)
-        if self.training and p > 0 and torch.is_grad_enabled():
+        # Compiled (--compile), Inductor fuses the dropout into its neighbours and draws the mask in-graph;
+        # _DropoutLoRA's seeded generator is eager-only (Dynamo cannot trace torch.Generator).
+        if self.training and p > 0 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return y + _DropoutLoRA.apply(x, self.lora_A, self.lora_B, p, self.scaling, draw_seed())
         return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
 

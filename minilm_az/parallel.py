@@ -178,6 +178,12 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 def apply_compile(model: nn.Module) -> None:
     """`torch.compile` each block in place (blocks are alike, so one compiled graph serves all);
     the loss stays outside, so Liger's fused linear cross-entropy is never traced."""
+    # Each block graph is specialised on what varies between calls: the first block's input needs no grad
+    # in LoRA (frozen embeddings) while the others' do, train vs eval, grad on/off, new lengths. Together
+    # that passes Dynamo's default of 8 graphs per function, which fullgraph makes an error.
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), 64))
     for block in model.model.layers.values():
         block.compile(fullgraph=True)
 

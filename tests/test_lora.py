@@ -92,6 +92,35 @@ def test_lora_linear_matches_formula_and_autograd_with_dropout():
         torch.testing.assert_close(layer(x), x @ layer.weight.T + 2.0 * x @ layer.lora_A.T @ layer.lora_B.T)
 
 
+def test_compiled_lora_with_dropout_trains_and_matches_eager_without():
+    """--compile: a compiled LoRA block traces with dropout on (the eager seeded branch is bypassed, Inductor
+    draws the mask in-graph), drops about p of the adapter input, and with dropout 0 gives eager's gradients."""
+    torch.manual_seed(0)
+    _, layer = _layer(dropout=0.5)
+    _trained(layer)
+    layer.train()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # the trace, not a C++ toolchain
+    x = torch.ones(64, 12, requires_grad=True)
+    y = compiled(x)
+    y.sum().backward()
+    base_out = x.detach() @ layer.weight.T
+    delta = (y.detach() - base_out) / layer.scaling  # dropout(x) A^T B^T: compare per-row against no dropout
+    full = x.detach() @ layer.lora_A.T @ layer.lora_B.T
+    assert not torch.allclose(delta, full, atol=1e-4)  # dropout acted
+    assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0
+    for p in (x, layer.lora_A, layer.lora_B):
+        p.grad = None
+    layer.lora_dropout = nn.Identity()
+    layer(x).square().sum().backward()
+    want = [t.grad.clone() for t in (x, layer.lora_A, layer.lora_B)]
+    for p in (x, layer.lora_A, layer.lora_B):
+        p.grad = None
+    torch._dynamo.reset()
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(x).square().sum().backward()
+    for g, t in zip(want, (x, layer.lora_A, layer.lora_B)):
+        torch.testing.assert_close(t.grad, g)
+
+
 def test_adapters_sharing_an_input_save_it_once_and_no_dropout_output():
     """q/k/v-style adapters on one input: autograd keeps that input once, not a dropped copy and mask each."""
     torch.manual_seed(0)
