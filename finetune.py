@@ -31,8 +31,8 @@ from minilm_az.chat import (
     micro_batches,
     read_chat_files,
 )
-from minilm_az.checkpoint import load_pretrained, load_weights_into, read_config, save_pretrained
 from minilm_az.config import FinetuneConfig, make_parser, parse_config
+from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained
 from minilm_az.kernels import IGNORE, select_ops
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import materialize, meta_model

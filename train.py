@@ -24,9 +24,9 @@ import torch
 
 from minilm_az import bpb, checkpoint, parallel
 from minilm_az import tokenizer as tk
-from minilm_az.checkpoint import Checkpointer, load_weights_into, read_config
 from minilm_az.config import PHASE_DEFAULTS, TrainConfig, in_sagemaker, make_parser, parse_config
 from minilm_az.data import BatchStream
+from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
@@ -111,7 +111,7 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
             base_tok = tk.load_tokenizer(cfg.base_tokenizer)
             heads = ["model.embed_tokens.weight"] + ([] if mcfg.tie_embeddings else ["lm_head.weight"])
             for name in heads:
-                base_rows = checkpoint.read_tensor(cfg.base_model, name)
+                base_rows = read_tensor(cfg.base_model, name)
                 rows, stats = transfer_embedding(base_rows, base_tok, tok, vocab_size)
                 log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), new_vocab=vocab_size)
                 overrides[name] = rows
@@ -213,7 +213,7 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
     parallel.fp8_scale_hook(model, optimizer, on=cfg.fp8_all_gather == "true")
     must, may = run_identity(cfg, model)
     ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
-    ckpt = Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
     start = 0
     if cfg.resume == "auto":  # the newest complete checkpoint made from these same inputs
         start, _ = checkpoint.resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)
@@ -273,7 +273,7 @@ def sigterm_flag() -> list:
 def export(model, cfg: TrainConfig, tok, d: parallel.Dist, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
     ids, dtype = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}, getattr(torch, cfg.export_dtype)
-    checkpoint.save_pretrained(model, cfg.out, dtype, token_ids=ids, is_writer=d.is_main)
+    save_pretrained(model, cfg.out, dtype, token_ids=ids, is_writer=d.is_main)
     if d.is_main:
         tk.copy_tokenizer_files(cfg.tokenizer, cfg.out)
     log.log("export", dir=cfg.out, dtype=cfg.export_dtype)

@@ -33,7 +33,7 @@ DEMO_MODEL = os.path.join(ROOT, "runs/demo/phase2")
 
 def tiny_base(out: str) -> str:
     """A random tiny-preset model and its tokenizer in `out` (when there is no demo model)."""
-    from minilm_az.checkpoint import save_pretrained
+    from minilm_az.hf import save_pretrained
     from minilm_az.model import build_model, get_preset
     from minilm_az.tokenizer import train_tokenizer, write_tokenizer_files
 

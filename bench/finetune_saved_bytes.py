@@ -36,7 +36,7 @@ import finetune_throughput as ft  # noqa: E402
 import finetune  # noqa: E402  the root script
 from minilm_az import lora  # noqa: E402
 from minilm_az.chat import micro_batches  # noqa: E402
-from minilm_az.checkpoint import config_to_hf  # noqa: E402
+from minilm_az.hf import config_to_hf  # noqa: E402
 from minilm_az.model import build_model, get_preset  # noqa: E402
 from minilm_az.tokenizer import PAD, train_tokenizer  # noqa: E402
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minilm_az import parallel  # noqa: E402
-from minilm_az.checkpoint import config_to_hf  # noqa: E402
+from minilm_az.hf import config_to_hf  # noqa: E402
 from minilm_az.kernels import select_ops  # noqa: E402
 from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from minilm_az.checkpoint import CheckpointError, load_pretrained, read_config, save_pretrained
+from minilm_az.hf import CheckpointError, load_pretrained, read_config, save_pretrained
 from minilm_az.model import ModelConfig, build_model
 
 transformers = pytest.importorskip("transformers")

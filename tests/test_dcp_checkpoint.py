@@ -16,7 +16,6 @@ import torch.distributed as dist
 from minilm_az import parallel
 from minilm_az.checkpoint import (
     Checkpointer,
-    CheckpointError,
     complete_checkpoints,
     is_complete,
     latest_checkpoint,
@@ -24,6 +23,7 @@ from minilm_az.checkpoint import (
     resume,
     save_train_checkpoint,
 )
+from minilm_az.hf import CheckpointError
 from minilm_az.model import ModelConfig, materialize, meta_model
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=64)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import finetune  # the root script (pytest puts the repo root on sys.path)
-from minilm_az.checkpoint import load_pretrained, save_pretrained
 from minilm_az.generate import generate
+from minilm_az.hf import load_pretrained, save_pretrained
 from minilm_az.lora import load_adapter
 from minilm_az.model import ModelConfig, build_model, get_preset
 from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer

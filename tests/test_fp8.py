@@ -132,7 +132,8 @@ def test_fsdp_fp8_all_gather_with_tied_embeddings_trains_like_bf16(group):
 
 @pytest.mark.gpu
 def test_checkpoint_and_export_across_fp8_on_and_off(group, tmp_path):
-    from minilm_az.checkpoint import iter_tensors, load_train_checkpoint, save_pretrained, save_train_checkpoint
+    from minilm_az.checkpoint import load_train_checkpoint, save_train_checkpoint
+    from minilm_az.hf import iter_tensors, save_pretrained
 
     x = _batch()
     trained = _model("tensorwise", all_gather=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from minilm_az.checkpoint import save_pretrained
+from minilm_az.hf import save_pretrained
 from minilm_az.lora import (
     TARGETS,
     AdapterError,

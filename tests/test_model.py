@@ -39,7 +39,7 @@ CONFIGS = {
 
 def hf_twin(model: Llama):
     """A transformers LlamaForCausalLM with our config and a copy of our weights."""
-    from minilm_az.checkpoint import config_to_hf
+    from minilm_az.hf import config_to_hf
 
     cfg = transformers.LlamaConfig(
         **{

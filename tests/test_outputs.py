@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from minilm_az import checkpoint, lora
-from minilm_az.checkpoint import HF_STAGE, load_pretrained, save_pretrained
+from minilm_az import hf, lora
+from minilm_az.hf import HF_STAGE, load_pretrained, save_pretrained
 from minilm_az.lora import ADAPTER_STAGE, apply_lora, load_adapter, save_adapter
 from minilm_az.model import ModelConfig, build_model
 from minilm_az.outputs import (
@@ -161,7 +161,7 @@ def test_disk_full_during_export_leaves_the_previous_export(mount, monkeypatch):
     save_pretrained(build_model(CFG, seed=1), mount)
     save_adapter(_lora_model(seed=1), mount)
     before = snapshot(mount)
-    monkeypatch.setattr(checkpoint, "save_file", _enospc_after_writing())
+    monkeypatch.setattr(hf, "save_file", _enospc_after_writing())
     monkeypatch.setattr(lora, "save_file", _enospc_after_writing())
     with pytest.raises(OSError, match="No space left"):
         save_pretrained(build_model(CFG, seed=2), mount, max_shard_bytes=60_000)
@@ -292,7 +292,7 @@ def _can_mount() -> bool:
 
 MOUNTED = textwrap.dedent("""
     import errno, os, sys, torch
-    from minilm_az.checkpoint import load_pretrained, save_pretrained
+    from minilm_az.hf import load_pretrained, save_pretrained
     from minilm_az.lora import apply_lora, save_adapter, load_adapter
     from minilm_az.model import ModelConfig, build_model
     out, outside = sys.argv[1], sys.argv[2]

@@ -96,7 +96,7 @@ def shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def base_model_dir(small_tokenizer_dir, tmp_path_factory) -> str:
     """A randomly initialised tiny model in HF format, with the tokenizer beside it (a phase-2 export's layout)."""
-    from minilm_az.checkpoint import save_pretrained
+    from minilm_az.hf import save_pretrained
     from minilm_az.model import build_model, get_preset
     from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer
 

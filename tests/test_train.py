@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minilm_az.checkpoint import load_pretrained, save_pretrained
+from minilm_az.hf import load_pretrained, save_pretrained
 from minilm_az.model import build_model, get_preset
 from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer, tokenizer_hash
 from minilm_az.transfer import transfer_embedding
