@@ -18,7 +18,6 @@ import glob
 import os
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
@@ -27,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 import finetune  # noqa: E402
 from bench.finetune_throughput import build_ours, build_peer, make_sets  # noqa: E402
-from bench.profile_step import kind_of  # noqa: E402
+from bench.profile_step import kernel_times  # noqa: E402
 from minilm_az import parallel  # noqa: E402
 from minilm_az.config import FinetuneConfig  # noqa: E402
 from minilm_az.kernels import liger_available  # noqa: E402
@@ -38,7 +37,7 @@ from minilm_az.tokenizer import PAD, train_tokenizer  # noqa: E402
 def profile_variant(name, step, batches, layout, pad_id, warmup: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for b in batches[:warmup] + batches[warmup:]:  # every timed shape seen once first
+    for b in batches:  # every timed shape seen once first
         step(b, layout, pad_id)
     torch.cuda.synchronize()
     timed = batches[warmup:]
@@ -48,13 +47,7 @@ def profile_variant(name, step, batches, layout, pad_id, warmup: int) -> None:
             step(b, layout, pad_id)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / len(timed)
-    per_kind: dict[str, float] = defaultdict(float)
-    top: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us and e.device_type.name == "CUDA" and "#" not in e.key:
-            per_kind[kind_of(e.key)] += us / 1000 / len(timed)
-            top[e.key] += us / 1000 / len(timed)
+    per_kind, top = kernel_times(prof, len(timed))
     gpu = sum(per_kind.values())
     print(f"\n== {name}: step wall {wall * 1e3:.1f} ms, GPU busy {gpu:.1f} ms ({100 * gpu / wall / 1e3:.0f} %)")
     for k, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):

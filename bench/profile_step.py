@@ -43,6 +43,19 @@ def kind_of(name: str) -> str:
     return "other (elementwise, reductions)"
 
 
+def kernel_times(prof, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU milliseconds per step of a finished `torch.profiler.profile`, by kind and by kernel name."""
+    per_kind: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        # Kernels only: user annotations such as "Optimizer.step#AdamW.step" would count their kernels twice.
+        if us and e.device_type.name == "CUDA" and "#" not in e.key:
+            per_kind[kind_of(e.key)] += us / 1000 / steps
+            top[e.key] += us / 1000 / steps
+    return per_kind, top
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--micro-batch", type=int, default=14)
@@ -66,14 +79,7 @@ def main():
             step(x[:, :-1], x[:, 1:])
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / args.steps
-    per_kind: dict[str, float] = defaultdict(float)
-    top: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        # Kernels only: user annotations such as "Optimizer.step#AdamW.step" would count their kernels twice.
-        if us and e.device_type.name == "CUDA" and "#" not in e.key:
-            per_kind[kind_of(e.key)] += us / 1000 / args.steps
-            top[e.key] += us / 1000 / args.steps
+    per_kind, top = kernel_times(prof, args.steps)
     gpu = sum(per_kind.values())
     flops = cfg.flops_per_token(args.seq) * args.micro_batch * args.seq
     print(

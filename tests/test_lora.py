@@ -93,8 +93,9 @@ def test_lora_linear_matches_formula_and_autograd_with_dropout():
 
 
 def test_compiled_lora_with_dropout_trains_and_matches_eager_without():
-    """--compile: a compiled LoRA block traces with dropout on (the eager seeded branch is bypassed, Inductor
-    draws the mask in-graph), drops about p of the adapter input, and with dropout 0 gives eager's gradients."""
+    """--compile: a compiled LoRA layer traces whole with dropout on (the eager seeded branch is bypassed, the
+    mask drawn in-graph), its adapter output differs from the undropped one, and with dropout 0 it gives
+    eager's gradients."""
     torch.manual_seed(0)
     _, layer = _layer(dropout=0.5)
     _trained(layer)
@@ -104,7 +105,7 @@ def test_compiled_lora_with_dropout_trains_and_matches_eager_without():
     y = compiled(x)
     y.sum().backward()
     base_out = x.detach() @ layer.weight.T
-    delta = (y.detach() - base_out) / layer.scaling  # dropout(x) A^T B^T: compare per-row against no dropout
+    delta = (y.detach() - base_out) / layer.scaling  # dropout(x) A^T B^T
     full = x.detach() @ layer.lora_A.T @ layer.lora_B.T
     assert not torch.allclose(delta, full, atol=1e-4)  # dropout acted
     assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0
