@@ -6,7 +6,7 @@
     python finetune.py --model runs/phase2 --adapter runs/sft --chat          # talk to the result
 
 Reads top to bottom: flags, data (every conversation rendered to ids + assistant-only labels), the model
-(meta -> LoRA -> FSDP2 -> materialise -> base weights -> adapter init), one step, the loop (global batch
+(meta -> LoRA -> FSDP2 when sharded -> materialise -> base weights -> adapter init), one step, the loop (global batch
 by gradient accumulation, masked-token-mean loss, eval, log), then the PEFT adapter and, with --merge, a
 merged HF model in OUT/merged. `--chat` / `--prompt` try a model instead of training.
 """
@@ -135,7 +135,9 @@ def build(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger):
     row_len = min(cfg.max_seq_len, model.config.max_seq_len)
     packed = dict(tokens_per_forward=cfg.max_tokens_per_forward or cfg.micro_batch * row_len) if cfg.packing else {}
     log.log("batch", world=d.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
-    parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile)
+    parallel.parallelize(
+        model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, shard=d.world_size > 1
+    )
     materialize(model, d.device, init=False)
     load_weights_into(model, cfg.model)
     lora.reset_lora_parameters(model, seed=cfg.seed)

@@ -13,9 +13,10 @@ the demo chat set (data/chat); `long`, multi-turn conversations made of 4-14 of 
 same conversations, so the same real tokens per step, whatever it pads.
 
 - ours_packed / ours_padded: finetune.py's own `build` steps (LoRA on the meta model, frozen base cast to
-  bf16, FSDP2 over one GPU with bf16 compute, fp32 adapters) and its `train_step`, `--packing` on / off;
+  bf16, fp32 adapters computing in bf16; no FSDP on one process) and its `train_step`, `--packing` on / off;
   ours_packed_capped (short set): `--max-tokens-per-forward --cap-tokens` (1,024), the memory-capped setting;
   ours_*_compile (CUDA): `--compile`, each block through torch.compile (fewer, fused kernel launches);
+  ours_*_compile_fsdp (long set): the same in FSDP2 over the one GPU, as finetune.py did before 2026-12-04;
 - peer_padded: `transformers.LlamaForCausalLM` in bf16 + `peft.get_peft_model` (fp32 adapters), bf16
   autocast, SDPA, `apply_liger_kernel_to_llama()` when liger-kernel is installed; right-padded micro-batches
   with an attention mask, as the HF Trainer's default collator gives;
@@ -76,13 +77,19 @@ def make_sets(tok, max_len: int, n_long: int, seed: int = 0) -> dict[str, list]:
     }
 
 
-def build_ours(mcfg, fc: FinetuneConfig, d: parallel.Dist):
-    """finetune.build's steps, with a random base instead of loaded weights."""
+def build_ours(mcfg, fc: FinetuneConfig, d: parallel.Dist, shard: bool | None = None):
+    """finetune.build's steps, with a random base instead of loaded weights (`shard`: FSDP2 even on one GPU)."""
     model = meta_model(mcfg, select_ops(d.device, fc.liger, compile=fc.compile))
     lora.apply_lora(model, r=fc.lora_r, alpha=fc.lora_alpha, dropout=fc.lora_dropout, targets=TARGETS.split(","))
     if d.device.type == "cuda":
         lora.cast_frozen(model, torch.bfloat16)
-    parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=fc.ac, compile=fc.compile)
+    parallel.parallelize(
+        model,
+        mixed_precision=d.device.type == "cuda",
+        ac=fc.ac,
+        compile=fc.compile,
+        shard=d.world_size > 1 if shard is None else shard,
+    )
     materialize(model, d.device, seed=0)
     lora.reset_lora_parameters(model, seed=0)
     params = lora.lora_parameters(model)
@@ -292,6 +299,8 @@ def main():
         ("ours_padded", lambda: build_ours(mcfg, fc, d), None, fc, ("short", "long")),
         ("ours_packed_compile", lambda: build_ours(mcfg, compiled, d), max_len, compiled, gpu_sets),
         ("ours_padded_compile", lambda: build_ours(mcfg, compiled, d), None, compiled, gpu_sets),
+        ("ours_packed_compile_fsdp", lambda: build_ours(mcfg, compiled, d, True), max_len, compiled, gpu_sets[1:]),
+        ("ours_padded_compile_fsdp", lambda: build_ours(mcfg, compiled, d, True), None, compiled, gpu_sets[1:]),
         ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
         ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True, fc, ("short", "long")),
     ]

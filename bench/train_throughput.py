@@ -12,7 +12,8 @@ the peer is `transformers.LlamaForCausalLM` in fp32 with bf16 autocast and
 The `ours_fp8_*` rows (CUDA, torchao) are `--compile --liger` with `train.py --fp8`: tensorwise or rowwise
 scales, `_all_gather` = float8 all-gather with scales precomputed after each step, `_cudnn` = SDPA's cuDNN
 attention instead of flash attention, `_ac_full` = with full activation checkpointing, `_cdt` = Inductor's
-coordinate-descent tuning of its kernels, `_autotune` = that + max-autotune (Triton GEMM templates tried too).
+coordinate-descent tuning of its kernels, `_autotune` = that + max-autotune (Triton GEMM templates tried too),
+`_keep_gathered` = FSDP keeps the bf16 weights gathered from forward to backward (reshard_after_forward=False).
 """
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ def build_ours(
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
     ag = fp8_opts.get("all_gather", False)
+    reshard = not fp8_opts.get("keep_gathered")  # keep_gathered: the bf16 weights stay gathered for backward
     parallel.parallelize(
-        model, mixed_precision=device.type == "cuda", ac=ac, compile=compile, fp8=fp8, fp8_all_gather=ag
+        model,
+        mixed_precision=device.type == "cuda",
+        ac=ac,
+        compile=compile,
+        fp8=fp8,
+        fp8_all_gather=ag,
+        reshard_after_forward=reshard,
     )
     if fp8_opts.get("cudnn"):  # SDPA's cuDNN attention instead of flash (run_row resets it)
         torch.backends.cuda.enable_flash_sdp(False)
@@ -214,7 +222,9 @@ def main():
         ("tensorwise", "none", {"cudnn": True}, [14, 28]),
         ("tensorwise", "full", {}, [14, 32]),
         ("tensorwise", "full", {"all_gather": True}, [14]),
-        ("tensorwise", "none", {"cdt": True}, [28]),  # Inductor's coordinate-descent tuning of its kernels
+        ("tensorwise", "none", {"cdt": True}, [28, 32]),  # Inductor's coordinate-descent tuning of its kernels
+        ("tensorwise", "none", {"keep_gathered": True}, [28, 32]),  # FSDP reshard_after_forward=False
+        ("tensorwise", "none", {"cdt": True, "keep_gathered": True}, [28, 32]),
         ("tensorwise", "none", {"autotune": True}, [28]),  # + max-autotune (Triton GEMM templates tried)
     ]
     for recipe, ac, opts, sizes in fp8_rows if cuda else []:

@@ -100,11 +100,14 @@ class LoRALinear(nn.Module):
         if self.merged:
             return y
         p = getattr(self.lora_dropout, "p", 0.0)
+        # fp32 adapters compute in the input's dtype (bf16 on GPU): a no-op under FSDP's mixed precision, which
+        # already gathers them in bf16, and the only cast needed without FSDP (one process, bf16 base).
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         # Compiled (--compile), Inductor fuses the dropout into its neighbours and draws the mask in-graph;
         # _DropoutLoRA's seeded generator is eager-only (Dynamo cannot trace torch.Generator).
         if self.training and p > 0 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return y + _DropoutLoRA.apply(x, self.lora_A, self.lora_B, p, self.scaling, draw_seed())
-        return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+            return y + _DropoutLoRA.apply(x, a, b, p, self.scaling, draw_seed())
+        return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), a), b)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha}, merged={self.merged}"

@@ -286,12 +286,19 @@ def parallelize(
     compile: bool = False,
     fp8: str = "none",
     fp8_all_gather: bool = False,
+    shard: bool = True,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Apply float8 linears, activation checkpointing, compile and FSDP2 to a (meta-device) model, in that order."""
+    """Apply float8 linears, activation checkpointing, compile and FSDP2 to a (meta-device) model, in that order.
+
+    `shard=False` leaves FSDP out: for a model whose trainable weights cast themselves to the compute dtype
+    (LoRA on a frozen bf16 base, on one process), FSDP would only add its hooks and per-parameter copies.
+    """
     if fp8 != "none":
         apply_fp8(model, fp8, fp8_all_gather)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)
-    apply_fsdp(model, mixed_precision)
+    if shard:
+        apply_fsdp(model, mixed_precision, reshard_after_forward)
     return model

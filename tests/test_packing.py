@@ -15,6 +15,7 @@ from minilm_az.chat import encode_chat, micro_batches, pack_rows, read_chat_json
 from minilm_az.config import FinetuneConfig
 from minilm_az.hf import save_pretrained
 from minilm_az.kernels import IGNORE
+from minilm_az.logs import MetricLogger
 from minilm_az.model import build_model, doc_positions, get_preset
 from minilm_az.tokenizer import PAD, copy_tokenizer_files, load_tokenizer
 
@@ -186,3 +187,22 @@ def test_flex_attention_on_cuda_matches_the_cpu_mask(tok, convs):
         got = model.cuda()(x.cuda(), doc_ids=doc.cuda()).cpu()
     real = y != IGNORE
     assert (got[real] - want[real]).abs().max() <= 1e-3 * want.abs().max()
+
+
+@pytest.mark.gpu
+def test_finetune_on_one_gpu_has_no_fsdp_and_follows_the_cpu_run(base, tmp_path):
+    """One CUDA process: no FSDP (a bf16 base, fp32 adapters computing in bf16); packed, its losses follow the
+    fp32 CPU run's to bf16 rounding and the adapter it writes is fp32."""
+    from safetensors.torch import load_file
+
+    gpu, cpu = _finetune(base, str(tmp_path / "g"), "--device", "cuda"), _finetune(base, str(tmp_path / "c"))
+    losses = [[r["loss"] for r in run if r["kind"] == "finetune"] for run in (gpu, cpu)]
+    assert len(losses[0]) == 3
+    assert max(abs(a - b) / b for a, b in zip(*losses)) <= 0.02, losses
+    weights = load_file(str(tmp_path / "g" / "adapter_model.safetensors"))
+    assert weights and {w.dtype for w in weights.values()} == {torch.float32}
+
+    fc = FinetuneConfig(model=base, lora_r=4, lora_dropout=0.05, device="cuda", compile=False)
+    model = finetune.build(fc, parallel.Dist(0, 1, 0, torch.device("cuda")), MetricLogger(None))
+    kinds = {("lora" if "lora_" in n else "base", p.dtype, type(p.data).__name__) for n, p in model.named_parameters()}
+    assert kinds == {("lora", torch.float32, "Tensor"), ("base", torch.bfloat16, "Tensor")}
