@@ -16,13 +16,15 @@ same conversations, so the same real tokens per step, whatever it pads.
   bf16, fp32 adapters computing in bf16; no FSDP on one process) and its `train_step`, `--packing` on / off;
   ours_packed_capped (short set): `--max-tokens-per-forward --cap-tokens` (1,024), the memory-capped setting;
   ours_*_compile (CUDA): `--compile`, each block through torch.compile (fewer, fused kernel launches);
+  ours_packed_capped_compile (short set): both;
   ours_*_compile_fsdp (long set): the same in FSDP2 over the one GPU, as finetune.py did before 2026-12-04;
 - peer_padded: `transformers.LlamaForCausalLM` in bf16 + `peft.get_peft_model` (fp32 adapters), bf16
   autocast, SDPA, `apply_liger_kernel_to_llama()` when liger-kernel is installed; right-padded micro-batches
   with an attention mask, as the HF Trainer's default collator gives;
 - peer_packed: the same model fed by `transformers.DataCollatorWithFlattening`, the padding-free collator
   TRL uses (one row of the micro-batch's conversations back to back, `position_ids` restarting, the first
-  label of each -100, no attention mask: transformers builds the block-diagonal SDPA mask from the positions).
+  label of each -100, no attention mask: transformers builds the block-diagonal SDPA mask from the positions);
+- peer_padded_last: peer_padded once more after every other row of the set (its ratio should read ~1.00).
 
 Also: the packed and padded first-step loss with dropout off (equal but for bf16 rounding), and the peak
 memory of the 1B with our 100k vocabulary at r=64, max_seq_len 1024 (the A10G/g5 case, 24 GB).
@@ -292,17 +294,21 @@ def main():
         fc.lora_r = 8
     capped = dataclasses.replace(fc, max_tokens_per_forward=args.cap_tokens)
     compiled = dataclasses.replace(fc, compile=True)
+    capped_c = dataclasses.replace(capped, compile=True)
     gpu_sets = ("short", "long") if cuda else ()  # compiled rows: CUDA only (CPU Inductor is slow to build)
-    plan = [  # (variant, builder, layout, config, sets)
+    plan = [  # (variant, builder, layout, config, sets); the peer first, so no compiled row runs before it
+        ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
+        ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True, fc, ("short", "long")),
         ("ours_packed", lambda: build_ours(mcfg, fc, d), max_len, fc, ("short", "long")),
         ("ours_packed_capped", lambda: build_ours(mcfg, capped, d), max_len, capped, ("short",)),
         ("ours_padded", lambda: build_ours(mcfg, fc, d), None, fc, ("short", "long")),
         ("ours_packed_compile", lambda: build_ours(mcfg, compiled, d), max_len, compiled, gpu_sets),
         ("ours_padded_compile", lambda: build_ours(mcfg, compiled, d), None, compiled, gpu_sets),
+        ("ours_packed_capped_compile", lambda: build_ours(mcfg, capped_c, d), max_len, capped_c, gpu_sets[:1]),
         ("ours_packed_compile_fsdp", lambda: build_ours(mcfg, compiled, d, True), max_len, compiled, gpu_sets[1:]),
         ("ours_padded_compile_fsdp", lambda: build_ours(mcfg, compiled, d, True), None, compiled, gpu_sets[1:]),
-        ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
-        ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True, fc, ("short", "long")),
+        # the peer again, last: a check that the rows before it (compiled ones) did not slow the GPU down
+        ("peer_padded_last", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
     ]
     if args.only:
         plan = [r for r in plan if r[0] in set(args.only.split(","))]

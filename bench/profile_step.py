@@ -2,6 +2,7 @@
 
     python bench/profile_step.py --micro-batch 14            # ours (Liger, eager), the 1B shape, seq 2048
     python bench/profile_step.py --compile                   # per-block compile with Liger FLCE
+    python bench/profile_step.py --compile --fp8 tensorwise  # + float8 linears in the blocks (torchao)
 
 Prints one table: GPU milliseconds per step for matmuls, attention (forward/backward), the fused
 cross-entropy, norms/RoPE/SwiGLU, FSDP copies/casts, the optimizer, everything else; and the
@@ -63,10 +64,11 @@ def main():
     p.add_argument("--vocab", type=int, default=100_352)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"])
     args = p.parse_args()
     d = parallel.setup("cuda")
     cfg = get_preset("llama3.2-1b", args.vocab)
-    _, step = build_ours(cfg, d.device, True, args.compile, "none")
+    _, step = build_ours(cfg, d.device, True, args.compile, "none", fp8=args.fp8)
     x = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), device=d.device)
     for _ in range(3):
         step(x[:, :-1], x[:, 1:])
@@ -83,7 +85,8 @@ def main():
     gpu = sum(per_kind.values())
     flops = cfg.flops_per_token(args.seq) * args.micro_batch * args.seq
     print(
-        f"micro-batch {args.micro_batch}, seq {args.seq}, compile={args.compile}: step wall {wall * 1e3:.1f} ms, "
+        f"micro-batch {args.micro_batch}, seq {args.seq}, compile={args.compile}, fp8={args.fp8}: "
+        f"step wall {wall * 1e3:.1f} ms, "
         f"GPU busy {gpu:.1f} ms, {flops / wall / 1e12:.0f} TFLOP/s model FLOPs"
     )
     print(f"{'kind':34s} {'ms/step':>8s} {'share':>6s}")
