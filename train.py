@@ -70,7 +70,9 @@ def resolve(cfg: TrainConfig, world: int) -> None:
     if cfg.seq_len > context:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the model's context of {context} tokens")
     cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=14)
-    cfg.fp8_all_gather = parallel.check_fp8(cfg.fp8, cfg.fp8_all_gather, cfg.compile, cfg.device, world)
+    cfg.fp8_all_gather = parallel.check_fp8(
+        cfg.fp8, cfg.fp8_all_gather, cfg.compile, cfg.device, world, cfg.fp8_fast_accum
+    )
     for name in ("base_model", "base_tokenizer", "tokenizer", "data"):
         path = getattr(cfg, name)
         if not cfg.eval_only and path and os.path.abspath(path) == os.path.abspath(cfg.out):
@@ -78,10 +80,8 @@ def resolve(cfg: TrainConfig, world: int) -> None:
 
 
 def need_dir(path: str | None, flag: str, what: str) -> str:
-    if not path:
-        raise UsageError(f"{flag} is required ({what})")
-    if not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: no such directory ({what})")
+    if not path or not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: no such directory ({what})" if path else f"{flag} is required ({what})")
     return path
 
 
@@ -122,7 +122,7 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
     if cfg.phase == 1:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
-    fp8 = dict(fp8=cfg.fp8, fp8_all_gather=cfg.fp8_all_gather == "true")
+    fp8 = dict(fp8=cfg.fp8, fp8_all_gather=cfg.fp8_all_gather == "true", fp8_fast_accum=cfg.fp8_fast_accum)
     parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, **fp8)
     materialize(model, d.device, seed=cfg.seed, init=not cfg.base_model)
     if cfg.base_model:

@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--window", type=int, default=50, help="steps per window of the mean-loss table")
     p.add_argument("--quick", action="store_true", help="bf16 only, no compile: checks the script on CPU")
+    p.add_argument("--fast-accum", action="store_true", help="a third run: tensorwise with --fp8-fast-accum")
     args = p.parse_args()
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
@@ -71,14 +72,19 @@ def main() -> None:
             run("tokenize.py", "train", *corpus, "--vocab-size", str(vocab), "--out", o(tok))
         if not os.path.isfile(o(shards, "index.json")):
             run("tokenize.py", "encode", *corpus, "--tokenizer", o(tok), "--out", o(shards))
-    recipes = ["none"] if args.quick else ["none", "tensorwise"]
+    # run name -> train.py's float8 flags
+    recipes = {"none": ["--fp8", "none"], "tensorwise": ["--fp8", "tensorwise"]}
+    if args.fast_accum:
+        recipes["tensorwise_fast"] = ["--fp8", "tensorwise", "--fp8-fast-accum"]
+    if args.quick:
+        recipes = {"none": recipes["none"]}
     common = ["--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len), "--log-every", "1"]
     common += ["--seed", "0", "--export-dtype", "bfloat16", "--async-checkpoint", "false"]
     common += [] if args.quick else ["--compile"]
     results = {}
     phases = (2, 1) if args.phase1_steps else (2,)  # --phase1-steps 0: phase 2 only
     for phase in phases:
-        for recipe in recipes:
+        for recipe, fp8_flags in recipes.items():
             out = o(f"phase{phase}_{recipe}")
             if phase == 2:
                 flags = [
@@ -105,7 +111,7 @@ def main() -> None:
                 ]
                 flags += ["--steps", str(args.phase1_steps)]
             if not os.path.isfile(os.path.join(out, "config.json")):
-                run("train.py", "--phase", str(phase), *flags, *common, "--fp8", recipe, "--out", out)
+                run("train.py", "--phase", str(phase), *flags, *common, *fp8_flags, "--out", out)
             curve, ev = metrics(out)
             results[f"phase{phase}_{recipe}"] = {
                 "loss": curve,
@@ -117,11 +123,12 @@ def main() -> None:
         w = window_means(r["loss"], args.window)
         print(f"{name:22s} " + " ".join(f"{v:7.4f}" for v in w) + f"  {r['val_bpb']:.4f}")
     for phase in phases:
-        ref, fp8 = results.get(f"phase{phase}_none"), results.get(f"phase{phase}_tensorwise")
-        if ref and fp8:
+        ref = results.get(f"phase{phase}_none")
+        for recipe in [r for r in recipes if r != "none"]:
+            fp8 = results.get(f"phase{phase}_{recipe}")
             a, b = window_means(ref["loss"], args.window)[-1], window_means(fp8["loss"], args.window)[-1]
             print(
-                f"phase {phase}: final-window mean loss bf16 {a:.4f} fp8 {b:.4f} "
+                f"phase {phase} {recipe}: final-window mean loss bf16 {a:.4f} fp8 {b:.4f} "
                 f"(fp8/bf16 - 1 = {100 * (b / a - 1):+.2f} %); "
                 f"val BPB {ref['val_bpb']:.4f} vs {fp8['val_bpb']:.4f}"
             )
@@ -138,7 +145,7 @@ def main() -> None:
     for ax, phase in zip(axes[0], phases):
         for recipe in recipes:
             r = results[f"phase{phase}_{recipe}"]
-            ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=f"--fp8 {recipe}", lw=0.8)
+            ax.plot(range(1, len(r["loss"]) + 1), r["loss"], label=" ".join(recipes[recipe]), lw=0.8)
         ax.set(title=f"phase {phase}", xlabel="step", ylabel="train loss", yscale="log")
         ax.legend()
     fig.tight_layout()

@@ -13,7 +13,8 @@ The `ours_fp8_*` rows (CUDA, torchao) are `--compile --liger` with `train.py --f
 scales, `_all_gather` = float8 all-gather with scales precomputed after each step, `_cudnn` = SDPA's cuDNN
 attention instead of flash attention, `_ac_full` = with full activation checkpointing, `_cdt` = Inductor's
 coordinate-descent tuning of its kernels, `_autotune` = that + max-autotune (Triton GEMM templates tried too),
-`_keep_gathered` = FSDP keeps the bf16 weights gathered from forward to backward (reshard_after_forward=False).
+`_keep_gathered` = FSDP keeps the bf16 weights gathered from forward to backward (reshard_after_forward=False),
+`_fast_accum` = `--fp8-fast-accum` (the backward's float8 GEMMs accumulate in the fast mode too).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def build_ours(
         compile=compile,
         fp8=fp8,
         fp8_all_gather=ag,
+        fp8_fast_accum=bool(fp8_opts.get("fast_accum")),
         reshard_after_forward=reshard,
     )
     if fp8_opts.get("cudnn"):  # SDPA's cuDNN attention instead of flash (run_row resets it)
@@ -226,6 +228,10 @@ def main():
         ("tensorwise", "none", {"keep_gathered": True}, [28, 32]),  # FSDP reshard_after_forward=False
         ("tensorwise", "none", {"cdt": True, "keep_gathered": True}, [28, 32]),
         ("tensorwise", "none", {"autotune": True}, [28]),  # + max-autotune (Triton GEMM templates tried)
+        ("tensorwise", "none", {"fast_accum": True}, [14, 28, 32]),  # the backward's GEMMs accumulate fast too
+        ("tensorwise", "none", {"fast_accum": True, "cdt": True, "keep_gathered": True}, [28, 32]),
+        ("rowwise", "none", {"fast_accum": True}, [14, 28]),
+        ("tensorwise", "full", {"fast_accum": True}, [14]),
     ]
     for recipe, ac, opts, sizes in fp8_rows if cuda else []:
         name = f"ours_fp8_{recipe}" + "".join(f"_{k}" for k in opts) + ("_ac_full" if ac == "full" else "")

@@ -292,7 +292,12 @@ class Checkpointer:
             )
             self._pending = (step, getattr(fut, "upload_completion", fut))
         else:
-            dcp.save(state, checkpoint_id=tmp)
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                dcp.save(state, checkpoint_id=tmp)
+            except (Exception, CheckpointException) as e:  # DCP gathers every rank's error: all raise alike
+                raise self._not_written(step, _one_line(e)) from None
             self._pending = (step, None)
             self.finalize()
 
@@ -341,12 +346,9 @@ class Checkpointer:
             if dist.is_initialized():  # every rank learns of a failure anywhere, so all take the same path
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             failed = bool(flag.item())
-        final = _step_dir(self.ckpt_dir, step)
         if failed:
-            raise CheckpointError(
-                f"{final}.tmp: checkpoint of step {step} was not written "
-                f"({error or 'failed on another rank'}); `latest` still names the previous one"
-            )
+            raise self._not_written(step, error or "failed on another rank")
+        final = _step_dir(self.ckpt_dir, step)
         tmp = final + ".tmp"
         # One rename per disk: rank 0, and local rank 0 of any host whose disk lacks rank 0's .metadata
         # (per-host disks). On a shared disk the others see .metadata (or the dir already renamed) and wait.
@@ -358,6 +360,14 @@ class Checkpointer:
             _publish(self.ckpt_dir, tmp, final, self.keep)
         self._barrier()
         return final
+
+    def _not_written(self, step: int, reason: str) -> CheckpointError:
+        # A full disk shows up as torch's "unexpected pos" or an ENOSPC deep in DCP: the free space says which.
+        free = shutil.disk_usage(self.ckpt_dir).free / 2**30
+        return CheckpointError(
+            f"{_step_dir(self.ckpt_dir, step)}.tmp: checkpoint of step {step} was not written ({reason}; "
+            f"{free:.1f} GiB free on its disk); `latest` still names the previous one"
+        )
 
     def close(self) -> None:
         """Finalize a pending save (collective), then release the pinned copy and the gloo group."""

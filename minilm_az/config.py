@@ -100,6 +100,9 @@ class TrainConfig:
         "FSDP2 gathers float8 weights (tensorwise): auto = on with several processes, off with one",
         choices=("auto", "true", "false"),
     )
+    fp8_fast_accum: bool = _f(
+        False, "the backward's float8 GEMMs accumulate fast too, as the forward's do (faster; bench/RESULTS.md)"
+    )
     export_dtype: str = _f(
         "float32", "dtype of the exported safetensors (bfloat16 halves the size)", choices=("float32", "bfloat16")
     )

@@ -188,13 +188,15 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=True)
 
 
-def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: int) -> str:
+def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: int, fast_accum: bool = False) -> str:
     """Refuse --fp8 where it cannot run; resolve --fp8-all-gather auto. Returns "true" or "false".
 
     Float8 matmuls need a GPU with float8 tensor cores (compute capability 8.9+) and torchao, and
     `--compile`: uncompiled, the casts to float8 are separate kernels that cost more than the matmuls save.
     """
     if recipe == "none":
+        if fast_accum:
+            raise ValueError("--fp8-fast-accum needs --fp8 tensorwise or rowwise")
         return "false"
     device = resolve_device(device)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -228,19 +230,26 @@ def fp8_pays(recipe: str, linear: nn.Linear) -> bool:
     return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
 
 
-def apply_fp8(model: nn.Module, recipe: str, all_gather: bool) -> None:
+def apply_fp8(model: nn.Module, recipe: str, all_gather: bool, fast_accum: bool = False) -> None:
     """Swap the blocks' `nn.Linear`s that `fp8_pays` picks for torchao's `Float8Linear` (same `weight`, so the
     same names, checkpoints and export); the head and embeddings stay bf16.
 
     `all_gather` (tensorwise only) makes FSDP2 gather weights already cast to float8: half the all-gather
     bytes, for a scale computed once per step (`fp8_scale_hook`). It pays with several GPUs; on one it cost
     1-2 % (bench/RESULTS.md).
+
+    `fast_accum`: torchao accumulates the forward's GEMM in the tensor cores' fast (lower-precision) mode but
+    the two backward GEMMs with periodic promotion to fp32, which costs them speed; this makes all three fast.
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.config import Float8GemmConfig
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     if all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    if fast_accum:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     convert_to_float8_training(
         model.model.layers,
         config=config,
@@ -286,6 +295,7 @@ def parallelize(
     compile: bool = False,
     fp8: str = "none",
     fp8_all_gather: bool = False,
+    fp8_fast_accum: bool = False,
     shard: bool = True,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
@@ -295,7 +305,7 @@ def parallelize(
     (LoRA on a frozen bf16 base, on one process), FSDP would only add its hooks and per-parameter copies.
     """
     if fp8 != "none":
-        apply_fp8(model, fp8, fp8_all_gather)
+        apply_fp8(model, fp8, fp8_all_gather, fp8_fast_accum)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)

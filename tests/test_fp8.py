@@ -43,6 +43,8 @@ def test_fp8_refused_where_it_cannot_run(recipe, all_gather, compile, device, fr
     with pytest.raises(ValueError, match=fragment):
         parallel.check_fp8(recipe, all_gather, compile, device, 1)
     assert parallel.check_fp8("none", "auto", False, device, 1) == "false"
+    with pytest.raises(ValueError, match="--fp8-fast-accum needs --fp8"):  # a switch that would do nothing
+        parallel.check_fp8("none", "auto", False, device, 1, fast_accum=True)
 
 
 # ---------------------------------------------------------------- GPU
@@ -57,9 +59,9 @@ def group():
     return parallel.setup("cuda")
 
 
-def _model(fp8: str = "none", all_gather: bool = False, seed: int = 0, cfg: ModelConfig = FP8):
+def _model(fp8: str = "none", all_gather: bool = False, seed: int = 0, cfg: ModelConfig = FP8, fast: bool = False):
     m = meta_model(cfg)
-    parallel.parallelize(m, mixed_precision=True, fp8=fp8, fp8_all_gather=all_gather)
+    parallel.parallelize(m, mixed_precision=True, fp8=fp8, fp8_all_gather=all_gather, fp8_fast_accum=fast)
     return materialize(m, DEV, seed=seed)
 
 
@@ -75,13 +77,17 @@ def _float8_linears(model) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_loss_and_grads_match_bf16_within_float8_tolerance(group, recipe):
+@pytest.mark.parametrize("recipe, fast", [("tensorwise", False), ("rowwise", False), ("tensorwise", True)])
+def test_fp8_loss_and_grads_match_bf16_within_float8_tolerance(group, recipe, fast):
     cfg = FP8 if recipe == "tensorwise" else ROWWISE
     x = _batch(cfg)
     out = {}
     for r in ("none", recipe):
-        m = _model(r, cfg=cfg)
+        m = _model(r, cfg=cfg, fast=fast and r != "none")
+        if r != "none":  # --fp8-fast-accum: all three GEMMs accumulate fast (torchao's default: the forward's only)
+            gemms = m.model.layers["0"].mlp.up_proj.config
+            assert gemms.gemm_config_output.use_fast_accum
+            assert gemms.gemm_config_grad_input.use_fast_accum == gemms.gemm_config_grad_weight.use_fast_accum == fast
         loss = m(x[:, :-1], targets=x[:, 1:])
         loss.backward()
         grads = {n: p.grad.full_tensor().float() for n, p in m.named_parameters()}
