@@ -31,7 +31,7 @@ from minilm_az.kernels import select_ops
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
-from minilm_az.outputs import check_writable
+from minilm_az.outputs import check_writable, file_sha256
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
 
@@ -199,7 +199,7 @@ def load_inputs(cfg: TrainConfig, d: parallel.Dist):
 
 def run_identity(cfg: TrainConfig, model) -> tuple[dict, dict]:
     """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
-    data = checkpoint.file_sha256(os.path.join(cfg.data, "index.json"))
+    data = file_sha256(os.path.join(cfg.data, "index.json"))
     must = dict(model=model.config.to_dict(), phase=cfg.phase, data=data, tokenizer=tk.tokenizer_hash(cfg.tokenizer))
     must["base_model"] = checkpoint.model_fingerprint(cfg.base_model)
     return must, {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}

@@ -141,10 +141,13 @@ def is_complete(path: str) -> bool:
     return _data_files_present(path, metadata)
 
 
+def _step_of(name: str) -> int:
+    return int(_STEP_DIR.fullmatch(name).group(1))
+
+
 def _step_dirs(ckpt_dir: str) -> list[str]:
     """Names of the finished step dirs (not .tmp), newest step first."""
-    names = [d for d in os.listdir(ckpt_dir) if _STEP_DIR.fullmatch(d)]
-    return sorted(names, key=lambda d: int(_STEP_DIR.fullmatch(d).group(1)), reverse=True)
+    return sorted((d for d in os.listdir(ckpt_dir) if _STEP_DIR.fullmatch(d)), key=_step_of, reverse=True)
 
 
 def _read_pointer(pointer: str) -> str:
@@ -206,13 +209,9 @@ def _prune(ckpt_dir: str, final: str, keep: int) -> None:
     Step dirs newer than `final` are from a run this one did not continue (a checkpoint that failed to
     load, or --resume never): left in place they would be taken for this run's latest.
     """
-
-    def step_of(name: str) -> int:
-        return int(_STEP_DIR.fullmatch(name).group(1))
-
-    step = step_of(os.path.basename(final))
-    older = [n for n in _step_dirs(ckpt_dir) if step_of(n) < step]
-    drop = older[max(keep - 1, 0) :] + [n for n in _step_dirs(ckpt_dir) if step_of(n) > step]
+    step = _step_of(os.path.basename(final))
+    older = [n for n in _step_dirs(ckpt_dir) if _step_of(n) < step]
+    drop = older[max(keep - 1, 0) :] + [n for n in _step_dirs(ckpt_dir) if _step_of(n) > step]
     drop += [n for n in os.listdir(ckpt_dir) if n.startswith("step-") and n.endswith((".tmp", ".old"))]
     for n in drop:
         shutil.rmtree(os.path.join(ckpt_dir, n), ignore_errors=True)
@@ -378,14 +377,6 @@ class Checkpointer:
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             self._group = None
-
-
-def save_train_checkpoint(
-    ckpt_dir: str, step: int, model, optimizer, train_state: dict, rank: int, local_rank: int, keep: int = 2
-) -> str:
-    """Sharded model + optimizer (DCP), this rank's RNG and `train_state.json`, written and published now."""
-    Checkpointer(ckpt_dir, rank, local_rank, keep, async_save=False).save(step, model, optimizer, train_state)
-    return _step_dir(ckpt_dir, step)
 
 
 def _dcp_load(state: dict, path: str) -> None:
@@ -559,14 +550,6 @@ def resume(
 
 
 # ---------------------------------------------------------------- identities (what a resume must agree on)
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def model_fingerprint(model_dir: str | None) -> str | None:

@@ -37,12 +37,8 @@ def generate_ids(
     top_p: float = 1.0,
     seed: int | None = 0,
     stop_ids: tuple[int, ...] = (),
-    use_cache: bool = True,
 ) -> list[int]:
-    """New ids after `prompt`, up to `max_new_tokens` or a stop id (not returned).
-
-    `use_cache=False` recomputes the whole sequence every step (the reference the cache is tested against).
-    """
+    """New ids after `prompt`, up to `max_new_tokens` or a stop id (not returned)."""
     if not prompt:
         raise ValueError("generate: empty prompt")
     dev = model.inv_freq.device
@@ -54,15 +50,11 @@ def generate_ids(
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    cache = KVCache(model.config, 1, limit, dev, dtype) if use_cache else None
+    cache = KVCache(model.config, 1, limit, dev, dtype)
     seq, out, pos = list(prompt), [], 0
     while len(seq) < limit:
-        if use_cache:
-            x = torch.tensor([seq[pos:]], device=dev)
-            logits = model(x, cache=cache, pos=pos)
-            pos = len(seq)
-        else:
-            logits = model(torch.tensor([seq], device=dev))
+        logits = model(torch.tensor([seq[pos:]], device=dev), cache=cache, pos=pos)
+        pos = len(seq)
         nxt = sample_next(logits[0, -1], temperature, top_p, gen)
         if nxt in stop_ids:
             break

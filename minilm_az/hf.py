@@ -151,13 +151,13 @@ def read_config(path: str) -> ModelConfig:
 
 
 @contextmanager
-def _safetensors(file: str):
-    """safe_open, with a corrupt or truncated file (or a tensor that cannot be read) as one CheckpointError."""
+def open_safetensors(file: str, error: type[Exception] = CheckpointError, fix: str = "re-export or re-download it"):
+    """safe_open, with a corrupt or truncated file (or a tensor that cannot be read) as one `error`."""
     try:
         with safe_open(file, framework="pt") as f:
             yield f
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e}); re-export or re-download it") from None
+        raise error(f"{file}: not a readable safetensors file ({e}); {fix}") from None
 
 
 def weight_files(path: str) -> dict[str, str]:
@@ -174,7 +174,7 @@ def weight_files(path: str) -> dict[str, str]:
                 raise CheckpointError(f"{index}: shard {os.path.basename(file)} is missing")
         return out
     if os.path.isfile(single):
-        with _safetensors(single) as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
@@ -186,7 +186,7 @@ def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        with _safetensors(file) as f:
+        with open_safetensors(file) as f:
             keys = set(f.keys())
             for name in names:
                 if name not in keys:
@@ -203,7 +203,7 @@ def read_tensor(path: str, name: str) -> torch.Tensor:
     files = weight_files(path)
     if name not in files:
         raise CheckpointError(f"{path}: no tensor {name!r}")
-    with _safetensors(files[name]) as f:
+    with open_safetensors(files[name]) as f:
         if name not in f.keys():
             raise CheckpointError(f"{files[name]}: no tensor {name!r} (the index names it in this file)")
         return f.get_tensor(name)

@@ -23,10 +23,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from minilm_az.hf import open_safetensors
 from minilm_az.outputs import read_json, staged_output
 from minilm_az.parallel import copy_into, full_tensor
 
@@ -60,7 +60,6 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=w.device, dtype=w.dtype))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, r, device=w.device, dtype=w.dtype))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.merged = False
         if w.device.type != "meta":
             self.reset_lora_parameters()
 
@@ -80,25 +79,11 @@ class LoRALinear(nn.Module):
         self.lora_B.zero_()
 
     def delta_weight(self) -> torch.Tensor:
-        """scaling · B A, the (out, in) update that `merge` folds into the weight."""
+        """scaling · B A, the (out, in) update that `merge_lora` folds into the weight."""
         return (self.lora_B @ self.lora_A) * self.scaling
-
-    @torch.no_grad()
-    def merge(self) -> None:
-        if not self.merged:
-            self.weight += self.delta_weight().to(self.weight.dtype)
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if self.merged:
-            self.weight -= self.delta_weight().to(self.weight.dtype)
-            self.merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if self.merged:
-            return y
         p = getattr(self.lora_dropout, "p", 0.0)
         # fp32 adapters compute in the input's dtype (bf16 on GPU): a no-op under FSDP's mixed precision, which
         # already gathers them in bf16, and the only cast needed without FSDP (one process, bf16 base).
@@ -110,7 +95,7 @@ class LoRALinear(nn.Module):
         return y + self.scaling * F.linear(F.linear(self.lora_dropout(x), a), b)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha}, merged={self.merged}"
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha}"
 
 
 def draw_seed() -> int:
@@ -238,7 +223,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         with torch.no_grad():
             lin = nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device, dtype=m.weight.dtype)
-            lin.weight.copy_(m.weight if m.merged else m.weight + m.delta_weight().to(m.weight.dtype))
+            lin.weight.copy_(m.weight + m.delta_weight().to(m.weight.dtype))
         setattr(parent, name.rsplit(".", 1)[-1], lin)
     for p in model.parameters():
         p.requires_grad_(True)
@@ -265,13 +250,7 @@ def _base_fingerprint(model: nn.Module) -> dict:
     return {k: d[k] for k in _BASE_FIELDS if k in d}
 
 
-def save_adapter(
-    model: nn.Module,
-    path: str,
-    base_model_name_or_path: str | None = None,
-    is_writer: bool = True,
-    dtype: torch.dtype = torch.float32,
-) -> None:
+def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None, is_writer: bool = True):
     """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT's format) into `path`, atomically.
 
     The base model's shape is kept in the safetensors metadata, so `load_adapter` can refuse another base.
@@ -282,7 +261,7 @@ def save_adapter(
     tensors = lora_state_dict(model)  # every rank: gathering is collective
     if not is_writer:
         return
-    tensors = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()}
+    tensors = {k: v.to(device="cpu", dtype=torch.float32).contiguous() for k, v in tensors.items()}
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -345,14 +324,9 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
         raise AdapterError(f"{path}: no {WEIGHTS_FILE}")
     targets = cfg["target_modules"]
     targets = [targets] if isinstance(targets, str) else list(targets)
-    try:
-        with safe_open(wfile, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError) as e:  # truncated, corrupt, or not a safetensors file at all
-        raise AdapterError(
-            f"{wfile}: not a readable safetensors file ({e}); retrain or re-download the adapter"
-        ) from None
+    with open_safetensors(wfile, AdapterError, "retrain or re-download the adapter") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     if "minilm_az.base" in meta:
         try:
             theirs = json.loads(meta["minilm_az.base"])
@@ -380,13 +354,8 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
     modules = dict(lora_modules(model))
     seen = set()
     for key, t in tensors.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
-            if name.endswith(suffix):
-                mod = name[: -len(suffix)]
-                break
-        else:
+        mod, _, part = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
+        if part not in ("lora_A", "lora_B") or not key.endswith(".weight"):
             raise AdapterError(f"{wfile}: unexpected tensor {key!r} (not a LoRA A/B weight)")
         if mod not in modules:
             raise AdapterError(

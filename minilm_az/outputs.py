@@ -15,12 +15,13 @@ The marker file `minilm-az-output.json`, written last, says which stage wrote wh
                   "time": "2025-01-01T00:00:00Z", "complete": true}]}
 
 Several stages may share a directory (a model and its tokenizer); each has its own record. Only files
-a record lists are ever removed (a stale file of the previous output of the same stage, or everything
-`remove_output` is asked to clear), so a directory holding other artifacts is never emptied.
+a record lists are ever removed (a stale file of the previous output of the same stage), so a directory
+holding other artifacts is never emptied.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -78,6 +79,14 @@ def atomic_write_json(path: str, obj, indent: int | None = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def read_json(path: str, error: type[Exception] = ValueError) -> dict:
     """The JSON object in `path`; anything else (bad JSON, bad UTF-8, a list) is `error`, naming the file."""
     try:
@@ -93,8 +102,8 @@ def read_json(path: str, error: type[Exception] = ValueError) -> dict:
 # ---------------------------------------------------------------- the marker
 
 
-def _read_marker(out_dir: str, marker: str) -> list[dict]:
-    path = os.path.join(out_dir, marker)
+def _read_marker(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, MARKER)
     if not os.path.isfile(path):
         return []
     try:
@@ -105,20 +114,20 @@ def _read_marker(out_dir: str, marker: str) -> list[dict]:
     return [r for r in records if isinstance(r, dict) and isinstance(r.get("files"), list)]
 
 
-def _write_marker(out_dir: str, marker: str, records: list[dict]) -> None:
+def _write_marker(out_dir: str, records: list[dict]) -> None:
     if records:
-        atomic_write_json(os.path.join(out_dir, marker), {"outputs": records})
-    elif os.path.exists(os.path.join(out_dir, marker)):
-        os.remove(os.path.join(out_dir, marker))
+        atomic_write_json(os.path.join(out_dir, MARKER), {"outputs": records})
+    elif os.path.exists(os.path.join(out_dir, MARKER)):
+        os.remove(os.path.join(out_dir, MARKER))
 
 
-def written_by(out_dir: str, stage: str | None = None, marker: str | None = None) -> dict | None:
+def written_by(out_dir: str, stage: str | None = None) -> dict | None:
     """The marker record of `stage` in `out_dir` ({"stage", "files", "time", "complete"}), or None.
 
     With no stage: the most recently written record. `complete` is False when a process died while
     moving that output's files in (the directory then mixes old and new files).
     """
-    records = _read_marker(out_dir, marker or MARKER)
+    records = _read_marker(out_dir)
     if stage is not None:
         records = [r for r in records if r.get("stage") == stage]
     return records[-1] if records else None
@@ -144,20 +153,6 @@ def _remove_files(out_dir: str, files: Iterable[str]) -> list[str]:
             except OSError:
                 break
             parent = os.path.dirname(parent)
-    return removed
-
-
-def remove_output(out_dir: str, stage: str, marker: str | None = None) -> list[str]:
-    """Delete exactly the files `stage`'s marker record lists (for --overwrite); returns them.
-
-    Everything else in `out_dir` (other stages' files, logs, checkpoints) and `out_dir` itself stay.
-    """
-    marker = marker or MARKER
-    _remove_leftover_staging(out_dir)
-    records = _read_marker(out_dir, marker)
-    mine = [r for r in records if r.get("stage") == stage]
-    removed = [f for r in mine for f in _remove_files(out_dir, r["files"])]
-    _write_marker(out_dir, marker, [r for r in records if r.get("stage") != stage])
     return removed
 
 
@@ -197,11 +192,11 @@ def _staged_files(stage_dir: str) -> list[str]:
     return sorted(files, key=lambda f: (f.endswith(".json"), f))
 
 
-def _check_no_conflicts(out_dir: str, files: list[str], marker: str) -> None:
+def _check_no_conflicts(out_dir: str, files: list[str]) -> None:
     # Checked before anything moves: a failure halfway through the moves would leave a mixed directory.
     for rel in files:
-        if rel == marker:
-            raise ValueError(f"staged_output: a stage may not write the marker file {marker} itself")
+        if rel == MARKER:
+            raise ValueError(f"staged_output: a stage may not write the marker file {MARKER} itself")
         if os.path.isdir(os.path.join(out_dir, rel)):
             raise IsADirectoryError(f"{os.path.join(out_dir, rel)} is a directory; the new output has a file there")
         parent = os.path.dirname(rel)
@@ -232,17 +227,14 @@ def _now() -> str:
 
 
 @contextmanager
-def staged_output(
-    out_dir: str, marker: str | None = None, stage: str = "", replaces: Iterable[str] = ()
-) -> Iterator[str]:
+def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -> Iterator[str]:
     """Yield a staging dir inside `out_dir`; on success move its files into `out_dir` and record them.
 
     On an exception inside the block the staging dir is removed and `out_dir` is left as it was.
     Files of the previous output of the same `stage` that the new one lacks are removed (the marker
     listed them); `replaces` names files removed even without a record (another layout of the same
-    output, e.g. model.safetensors when writing a sharded export). `marker` is the marker file's name.
+    output, e.g. model.safetensors when writing a sharded export).
     """
-    marker = marker or MARKER
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     _remove_leftover_staging(out_dir)
@@ -250,8 +242,8 @@ def staged_output(
     try:
         yield stage_dir
         files = _staged_files(stage_dir)
-        _check_no_conflicts(out_dir, files, marker)
-        _commit(out_dir, stage_dir, files, marker, stage, replaces)
+        _check_no_conflicts(out_dir, files)
+        _commit(out_dir, stage_dir, files, stage, replaces)
     except BaseException:
         shutil.rmtree(stage_dir, ignore_errors=True)
         if created and not os.listdir(out_dir):  # a failed first write leaves nothing behind (we made this dir)
@@ -261,17 +253,17 @@ def staged_output(
         shutil.rmtree(stage_dir, ignore_errors=True)
 
 
-def _commit(out_dir: str, stage_dir: str, files: list[str], marker: str, stage: str, replaces: Iterable[str]) -> None:
-    records = _read_marker(out_dir, marker)
+def _commit(out_dir: str, stage_dir: str, files: list[str], stage: str, replaces: Iterable[str]) -> None:
+    records = _read_marker(out_dir)
     previous = [f for r in records if r.get("stage") == stage for f in r["files"]]
     others = [r for r in records if r.get("stage") != stage]
     for r in others:  # a file this output now owns is no longer another stage's to remove
         r["files"] = [f for f in r["files"] if f not in files]
     stale = [f for f in dict.fromkeys([*previous, *replaces]) if f not in files]
     # Until the moves are done the record lists old and new files and says incomplete: a process killed
-    # halfway leaves a directory a reader can recognise, and remove_output can still clear all of it.
+    # halfway leaves a directory a reader can recognise.
     pending = {"stage": stage, "files": sorted(set(files) | set(previous)), "time": _now(), "complete": False}
-    _write_marker(out_dir, marker, [*others, pending])
+    _write_marker(out_dir, [*others, pending])
     _move_in(stage_dir, out_dir, files)
     _remove_files(out_dir, stale)
-    _write_marker(out_dir, marker, [*others, {"stage": stage, "files": files, "time": _now(), "complete": True}])
+    _write_marker(out_dir, [*others, {"stage": stage, "files": files, "time": _now(), "complete": True}])

@@ -23,8 +23,8 @@ streamed, never read whole.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
+import itertools
 import json
 import os
 import unicodedata
@@ -36,7 +36,7 @@ import zstandard
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
-from minilm_az.outputs import atomic_write_bytes, atomic_write_json, atomic_write_text
+from minilm_az.outputs import atomic_write_bytes, atomic_write_json, atomic_write_text, file_sha256
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -138,25 +138,13 @@ def train_tokenizer(
         max_token_length=max_token_length,
         show_progress=progress,
     )
-    counted = _Counted(documents)
-    tok.train_from_iterator(counted, trainer)
-    if counted.n == 0:
+    documents = iter(documents)
+    first = next(documents, None)
+    if first is None:
         raise CorpusError("corpus is empty: no documents to train on")
+    tok.train_from_iterator(itertools.chain([first], documents), trainer)
     _set_post_processor(tok)
     return tok
-
-
-class _Counted:
-    """Wraps an iterable and counts what passes through (the trainer consumes it in Rust)."""
-
-    def __init__(self, items: Iterable):
-        self.items = items
-        self.n = 0
-
-    def __iter__(self):
-        for x in self.items:
-            self.n += 1
-            yield x
 
 
 def _tokenizer_json(path: str) -> str:
@@ -178,11 +166,7 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 def tokenizer_hash(path: str) -> str:
     """sha256 hex of the `tokenizer.json` bytes (dir or file): ties token shards to their tokenizer."""
-    h = hashlib.sha256()
-    with open(_tokenizer_json(path), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(_tokenizer_json(path))
 
 
 def check_model_tokenizer(model_dir: str, tokenizer: str | None, flag: str) -> None:

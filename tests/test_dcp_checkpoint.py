@@ -21,7 +21,6 @@ from minilm_az.checkpoint import (
     latest_checkpoint,
     load_train_checkpoint,
     resume,
-    save_train_checkpoint,
 )
 from minilm_az.hf import CheckpointError
 from minilm_az.model import ModelConfig, materialize, meta_model
@@ -37,6 +36,11 @@ def group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def save_train_checkpoint(d, step, model, opt, state, rank, local_rank, keep=2):
+    Checkpointer(d, rank, local_rank, keep, async_save=False).save(step, model, opt, state)
+    return os.path.join(d, f"step-{step:08d}")
 
 
 def make(seed: int = 0, steps: int = 1):

@@ -138,7 +138,7 @@ def test_fsdp_fp8_all_gather_with_tied_embeddings_trains_like_bf16(group):
 
 @pytest.mark.gpu
 def test_checkpoint_and_export_across_fp8_on_and_off(group, tmp_path):
-    from minilm_az.checkpoint import load_train_checkpoint, save_train_checkpoint
+    from minilm_az.checkpoint import Checkpointer, load_train_checkpoint
     from minilm_az.hf import iter_tensors, save_pretrained
 
     x = _batch()
@@ -150,7 +150,8 @@ def test_checkpoint_and_export_across_fp8_on_and_off(group, tmp_path):
         opt.step()
         opt.zero_grad()
     want = {n: p.full_tensor().float().cpu() for n, p in trained.named_parameters()}
-    path = save_train_checkpoint(str(tmp_path / "ckpt"), 3, trained, opt, {"step": 3}, 0, 0)
+    Checkpointer(str(tmp_path / "ckpt"), 0, 0, async_save=False).save(3, trained, opt, {"step": 3})
+    path = str(tmp_path / "ckpt" / "step-00000003")
     save_pretrained(trained, str(tmp_path / "hf"))
     exported = dict(iter_tensors(str(tmp_path / "hf")))
     assert exported.keys() == {n for n in want if n != "lm_head.weight"}  # tied: one tensor, HF's names

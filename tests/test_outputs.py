@@ -18,7 +18,6 @@ from minilm_az.outputs import (
     MARKER,
     atomic_write_json,
     atomic_write_text,
-    remove_output,
     staged_output,
     written_by,
 )
@@ -219,26 +218,6 @@ def test_leftover_staging_dirs_are_removed_at_the_next_write(tmp_path):
     assert sorted(os.listdir(out)) == ["f", MARKER]
 
 
-def test_remove_output_deletes_only_what_the_marker_lists(tmp_path):
-    out = tmp_path / "run"
-    (out / "checkpoints" / "step-00000010").mkdir(parents=True)
-    (out / "metrics.jsonl").write_text("{}\n")
-    (tmp_path / "outside.txt").write_text("keep me")
-    save_pretrained(build_model(CFG, seed=1), str(out), max_shard_bytes=60_000)
-    with staged_output(str(out), stage="tok") as tmp:
-        os.makedirs(os.path.join(tmp, "tok"))
-        open(os.path.join(tmp, "tok", "tokenizer.json"), "w").write("{}")
-    removed = remove_output(str(out), HF_STAGE)
-    assert "config.json" in removed and any(f.endswith("-of-00004.safetensors") or "-of-" in f for f in removed)
-    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl", MARKER, "tok"]
-    assert written_by(str(out), HF_STAGE) is None and written_by(str(out), "tok")["files"] == ["tok/tokenizer.json"]
-    remove_output(str(out), "tok")
-    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]  # empty subdir pruned, marker gone
-    # A marker is data: one naming a path outside its directory removes nothing there.
-    atomic_write_json(str(out / MARKER), {"outputs": [{"stage": "evil", "files": ["../outside.txt"]}]})
-    assert remove_output(str(out), "evil") == [] and (tmp_path / "outside.txt").read_text() == "keep me"
-
-
 def test_a_process_dying_while_moving_leaves_an_incomplete_record(tmp_path, monkeypatch):
     from minilm_az import outputs
 
@@ -257,8 +236,6 @@ def test_a_process_dying_while_moving_leaves_an_incomplete_record(tmp_path, monk
                 open(os.path.join(tmp, f), "w").write(f)
     rec = written_by(out, "s")
     assert rec["complete"] is False and rec["files"] == ["a", "b", "old"]
-    remove_output(out, "s")
-    assert os.listdir(out) == []
 
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path, monkeypatch):
@@ -338,3 +315,13 @@ def test_export_into_a_real_tmpfs_mount_point(tmp_path):
     assert "model.safetensors" in r.stdout and "adapter_model.safetensors" in r.stdout
     assert MARKER in r.stdout and "model.safetensors.index.json" not in r.stdout
     assert os.listdir(out) == []  # the tmpfs lived only in the child's mount namespace
+
+
+def test_a_marker_naming_a_path_outside_its_directory_removes_nothing(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (tmp_path / "outside.txt").write_text("keep me")
+    atomic_write_json(str(out / MARKER), {"outputs": [{"stage": "evil", "files": ["../outside.txt"]}]})
+    with staged_output(str(out), stage="evil") as tmp:
+        open(os.path.join(tmp, "f"), "w").write("f")
+    assert (tmp_path / "outside.txt").read_text() == "keep me"
