@@ -411,13 +411,11 @@ def _dcp_load(state: dict, path: str) -> None:
         raise CheckpointError(f"{path}: {_one_line(e)}") from None
 
 
-def load_train_checkpoint(path: str, model, optimizer, rank: int) -> dict:
-    """Restore model + optimizer shards (any world size: DCP reshards), this rank's RNG; return train_state."""
+def load_train_checkpoint(path: str, model, optimizer, rank: int) -> None:
+    """Restore model + optimizer shards (any world size: DCP reshards) and this rank's RNG. What the run was
+    (step, inputs) is `read_train_state(path)`, which `resume` reads first, to refuse another run's checkpoint."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    state_file = os.path.join(path, "train_state.json")
-    if not os.path.isfile(state_file):
-        raise CheckpointError(f"{path}: incomplete checkpoint (no train_state.json)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     _dcp_load(state, path)
@@ -428,8 +426,6 @@ def load_train_checkpoint(path: str, model, optimizer, rank: int) -> dict:
             torch.set_rng_state(f.get_tensor("cpu"))
             if torch.cuda.is_available() and "cuda" in f.keys():
                 torch.cuda.set_rng_state(f.get_tensor("cuda"))
-    with open(state_file) as fh:
-        return json.load(fh)
 
 
 # ---------------------------------------------------------------- resume: the one call train.py makes
@@ -493,7 +489,7 @@ def _check_state(path: str, saved: dict, must_match: dict, may_change: dict) -> 
     return changed
 
 
-def _read_train_state(path: str) -> dict:
+def read_train_state(path: str) -> dict:
     try:
         with open(os.path.join(path, "train_state.json")) as fh:
             return json.load(fh)
@@ -525,7 +521,7 @@ def resume(
         for path in _newer_incomplete(ckpt_dir, candidates):
             warn(f"warning: {path} is incomplete (a save or a sync that did not finish); skipped")
     for path in candidates:
-        saved = _on_rank0(functools.partial(_read_train_state, path), rank)
+        saved = _on_rank0(functools.partial(read_train_state, path), rank)
         changed = _check_state(path, saved, must_match, may_change)
         error = None
         try:
