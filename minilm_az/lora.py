@@ -313,6 +313,22 @@ def read_adapter_config(path: str) -> dict:
     return cfg
 
 
+def _check_base(model: nn.Module, meta: dict, wfile: str) -> None:
+    """Refuse an adapter whose safetensors metadata names another base shape (PEFT's own files have none)."""
+    if "minilm_az.base" not in meta:
+        return
+    try:
+        theirs = json.loads(meta["minilm_az.base"])
+    except json.JSONDecodeError:
+        theirs = None
+    if not isinstance(theirs, dict):
+        raise AdapterError(f"{wfile}: corrupt 'minilm_az.base' metadata {meta['minilm_az.base'][:60]!r}")
+    ours = _base_fingerprint(model)
+    diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
+    if diff:
+        raise AdapterError(f"{wfile}: adapter was trained on a different base model (adapter vs this model: {diff})")
+
+
 def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> list[str]:
     """Inject LoRA as the adapter's config says and load its tensors; returns the module names.
 
@@ -327,19 +343,7 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
     with open_safetensors(wfile, AdapterError, "retrain or re-download the adapter") as f:
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if "minilm_az.base" in meta:
-        try:
-            theirs = json.loads(meta["minilm_az.base"])
-        except json.JSONDecodeError:
-            theirs = None
-        if not isinstance(theirs, dict):
-            raise AdapterError(f"{wfile}: corrupt 'minilm_az.base' metadata {meta['minilm_az.base'][:60]!r}")
-        ours = _base_fingerprint(model)
-        diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
-        if diff:
-            raise AdapterError(
-                f"{wfile}: adapter was trained on a different base model (adapter vs this model: {diff})"
-            )
+    _check_base(model, meta, wfile)
     if not hasattr(model, "lora_config"):
         try:
             apply_lora(
