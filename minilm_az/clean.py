@@ -604,8 +604,10 @@ class NearIndex:
         self.sigs.close()
 
 
-class ShardWriter:
-    """clean-00000.jsonl.gz, ...: a new shard past `shard_bytes` of text; `where(i)` names kept document i."""
+class CleanWriter:
+    """The cleaned text as clean-00000.jsonl.gz, ... (not token shards: those are shards.ShardWriter's).
+
+    A new file past `shard_bytes` of text; `where(i)` names kept document i."""
 
     def __init__(self, out_dir: str, shard_bytes: int):
         self.out_dir, self.shard_bytes = out_dir, shard_bytes
@@ -778,7 +780,7 @@ def clean_corpus(
     A failure raises with the shards half-written: the caller writes into a staging dir (outputs.staged_output).
     """
     os.makedirs(out_dir, exist_ok=True)
-    tally, writer = _Tally(rules, samples), ShardWriter(out_dir, shard_bytes)
+    tally, writer = _Tally(rules, samples), CleanWriter(out_dir, shard_bytes)
     decisions = clean_documents(documents, rules, workers, spill_parent=out_dir)
     try:
         for d in decisions:
