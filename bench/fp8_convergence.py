@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -112,6 +113,8 @@ def main() -> None:
                 flags += ["--steps", str(args.phase1_steps)]
             if not os.path.isfile(os.path.join(out, "config.json")):
                 run("train.py", "--phase", str(phase), *flags, *common, *fp8_flags, "--out", out)
+                # a 1B run's final checkpoint (weights + AdamW state) is ~15 GB; only the export is read again
+                shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
             curve, ev = metrics(out)
             results[f"phase{phase}_{recipe}"] = {
                 "loss": curve,
