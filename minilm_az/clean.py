@@ -47,9 +47,11 @@ import tempfile
 import unicodedata
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
+
+from minilm_az.config import TokenizeCleanConfig
 
 STEPS = ("normalize", "lang", "quality", "exact", "near")
 
@@ -80,7 +82,6 @@ TOP_NGRAM_CHARS = ((2, 0.20), (3, 0.18), (4, 0.16))
 DUP_NGRAM_CHARS = ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10))
 SAMPLE_CHARS = 300
 BATCH_DOCS = 512  # documents a worker's batch holds at most
-DEDUP_MEMORY_MB = 512  # default RAM budget of the dedup indexes (--dedup-memory-mb)
 KEY_BUFFER = 1 << 16  # most keys a KeyTable holds in its dict before sorting them into a run (~6 MB)
 DICT_ENTRY = 100  # bytes a key costs in that dict (its slot and two ints), measured with tracemalloc: 62-89
 BLOOM_BITS = 16  # the Bloom filter grows (2x) while it holds more than 1 key per this many bits: ~0.5 % false
@@ -98,19 +99,23 @@ _NOT_WORD = re.compile(r"[\W_]+")
 _CODE = re.compile(r"[{}]")
 
 
+_FLAG = {f.name: f.default for f in fields(TokenizeCleanConfig)}  # one home for the defaults: the flags
+
+
 @dataclass(frozen=True)
 class Rules:
-    """Which steps run and their thresholds (tokenize.py's CleanConfig fills it from the flags)."""
+    """Which steps run and their thresholds: `tokenize.py clean`'s flags of the same names (their help says
+    what each does), with the same defaults."""
 
-    normalize: bool = True
-    lang: str = "az"  # or "none"
-    lang_threshold: float = 0.5
-    quality: bool = True
-    min_words: int = 5
-    max_words: int = 100_000
-    dedup: str = "near"  # none | exact | near (near includes exact)
-    near_threshold: float = 0.7
-    dedup_memory_mb: float = DEDUP_MEMORY_MB  # RAM of the dedup indexes; changes no verdict, only speed
+    normalize: bool = _FLAG["normalize"]
+    lang: str = _FLAG["lang"]  # az | none
+    lang_threshold: float = _FLAG["lang_threshold"]
+    quality: bool = _FLAG["quality"]
+    min_words: int = _FLAG["min_words"]
+    max_words: int = _FLAG["max_words"]
+    dedup: str = _FLAG["dedup"]  # none | exact | near (near includes exact)
+    near_threshold: float = _FLAG["near_threshold"]
+    dedup_memory_mb: float = _FLAG["dedup_memory_mb"]  # RAM of the dedup indexes; changes no verdict, only speed
 
 
 # ---------------------------------------------------------------- per document (in the workers)
