@@ -227,12 +227,18 @@ def _publish(ckpt_dir: str, tmp: str, final: str, keep: int) -> None:
     _prune(ckpt_dir, final, keep)
 
 
-def _one_line(e: BaseException) -> str:
-    """A short reason for a failure; DCP wraps each rank's exception in a CheckpointException."""
+def _inner(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (else `e`)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
-        e = inner[0] if isinstance(inner, tuple) else inner
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
+def _one_line(e: BaseException) -> str:
+    """A short reason for a failure; DCP wraps each rank's exception in a CheckpointException."""
+    e = _inner(e)
     text = str(e).strip()
     if "Weights only load failed" in text:  # torch's advice (load with weights_only=False) is what must not happen
         reason = text.split("WeightsUnpickler error:")[-1].strip().splitlines()
@@ -281,7 +287,13 @@ class Checkpointer:
         self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        _write_rank_files(tmp, step, train_state, self.rank)
+        error = None
+        try:
+            _write_rank_files(tmp, step, train_state, self.rank)
+        except Exception as e:  # a full disk shows here first (safetensors' error is not an OSError)
+            error = _one_line(e)
+        if error := _first_error(error):  # every rank learns of it: none goes on into DCP's collectives alone
+            raise self._not_written(step, error)
         if self.async_save:
             fut = dcp.async_save(
                 self._staged(state),
@@ -296,6 +308,8 @@ class Checkpointer:
             try:
                 dcp.save(state, checkpoint_id=tmp)
             except (Exception, CheckpointException) as e:  # DCP gathers every rank's error: all raise alike
+                if isinstance(_inner(e), KeyboardInterrupt):  # Ctrl-C, which DCP wraps too: not a write failure
+                    raise KeyboardInterrupt from None
                 raise self._not_written(step, _one_line(e)) from None
             self._pending = (step, None)
             self.finalize()

@@ -22,10 +22,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import queue
+import threading
 import unicodedata
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -147,22 +147,12 @@ def write_shards(
     else:
         tagged = itertools.chain((("train", d) for d in documents), (("val", d) for d in val_documents))
     writer = ShardWriter(out_dir, vocab_size, eos_id, tokenizer_hash, shard_tokens, meta)
-
-    def add(split: str, documents: int, nbytes: int, encoded: Future) -> None:
-        ids = encoded.result()
+    for split, texts, nbytes in _prefetch(_batches(tagged, val_fraction, batch_bytes)):
+        ids = encode(texts)
         for x in ids:
             x.append(eos_id)
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=writer.dtype, count=sum(map(len, ids)))
-        writer.add(split, flat, documents, nbytes)
-
-    with ThreadPoolExecutor(1) as pool:  # encoding overlaps reading the next batches; 2 in flight at most
-        pending: deque = deque()
-        for split, texts, nbytes in _batches(tagged, val_fraction, batch_bytes):
-            pending.append((split, len(texts), nbytes, pool.submit(encode, texts)))
-            if len(pending) > 2:
-                add(*pending.popleft())
-        while pending:
-            add(*pending.popleft())
+        writer.add(split, flat, len(texts), nbytes)
     return writer.close()
 
 
@@ -181,6 +171,45 @@ def _batches(tagged: Iterable[tuple[str | None, str]], val_fraction: float, batc
     for split, (texts, size) in pending.items():
         if texts:
             yield split, texts, size[0]
+
+
+def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """Run a generator in a background thread, `depth` items ahead (its errors re-raised here)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False  # the consumer has gone
+
+    def work():
+        try:
+            for x in items:
+                if not put((None, x)):
+                    return
+            put((None, done))
+        except BaseException as e:  # handed to the consumer
+            put((e, None))
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        while True:
+            err, x = q.get()
+            if err is not None:
+                raise err
+            if x is done:
+                return
+            yield x
+    finally:
+        stop.set()
+        t.join(timeout=5)
 
 
 # --- read --------------------------------------------------------------------------------------------

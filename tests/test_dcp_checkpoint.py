@@ -266,6 +266,27 @@ def test_a_failed_write_raises_one_error_and_keeps_latest(group, tmp_path, monke
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000003"]
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_full_disk_at_the_rank_files_is_the_same_one_error(group, tmp_path, monkeypatch, async_save):
+    from safetensors import SafetensorError
+
+    from minilm_az import checkpoint
+
+    model, opt = make()
+    ck = Checkpointer(str(tmp_path), 0, 0, async_save=async_save)
+
+    def full(*args, **kwargs):  # what safetensors raises when the disk is full: neither OSError nor ValueError
+        raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(CheckpointError, match=r"step-00000001.tmp: checkpoint of step 1 was not written .*No space"):
+        ck.save(1, model, opt, STATE)
+    monkeypatch.undo()
+    ck.save(2, model, opt, STATE)  # the next save, with room again, goes through
+    ck.close()
+    assert latest_checkpoint(str(tmp_path)).endswith("step-00000002")
+
+
 KILLED = textwrap.dedent("""
     import os, sys, threading, time, torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
