@@ -147,7 +147,13 @@ Example = tuple[list[int], list[int]]  # (ids, labels) of one conversation, as e
 def collate(examples: Sequence[Example], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Shift (inputs = ids[:-1], targets = labels[1:]) and right-pad: pad id in, IGNORE out."""
     T = max(len(ids) - 1 for ids, _ in examples)
-    return collate_packed([[e] for e in examples], T, pad_id, device)[:2]
+    x = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    y = torch.full((len(examples), T), IGNORE, dtype=torch.long)
+    for i, (ids, labels) in enumerate(examples):
+        n = len(ids) - 1
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, :n] = torch.tensor(labels[1:])
+    return x.to(device), y.to(device)
 
 
 def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:

@@ -250,7 +250,9 @@ def _base_fingerprint(model: nn.Module) -> dict:
     return {k: d[k] for k in _BASE_FIELDS if k in d}
 
 
-def save_adapter(model: nn.Module, path: str, base_model_name_or_path: str | None = None, is_writer: bool = True):
+def save_adapter(
+    model: nn.Module, path: str, base_model_name_or_path: str | None = None, is_writer: bool = True
+) -> None:
     """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT's format) into `path`, atomically.
 
     The base model's shape is kept in the safetensors metadata, so `load_adapter` can refuse another base.

@@ -388,6 +388,13 @@ ROWS = [
         absent=("{W}/out",),
         fast=True,
     ),
+    Row(
+        "train_fp8_fast_accum_without_fp8",
+        f"{TR} --fp8-fast-accum --out {{W}}/out",
+        fragment="--fp8-fast-accum needs --fp8",
+        absent=("{W}/out",),
+        fast=True,
+    ),
     Row("train_lr_nan", f"{TR} --lr nan --out {{W}}/out", fragment="--lr", absent=("{W}/out",), fast=True),
     Row("train_steps_0", f"{TR} --steps 0 --out {{W}}/out", fragment="--steps", absent=("{W}/out",), fast=True),
     Row(
