@@ -31,9 +31,10 @@ from minilm_az.chat import (
     micro_batches,
     read_chat_files,
 )
-from minilm_az.config import FinetuneConfig, make_parser, parse_config
+from minilm_az.config import FinetuneConfig
 from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained
 from minilm_az.kernels import IGNORE, select_ops
+from minilm_az.launch.flags import make_parser, parse_config
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
@@ -120,12 +121,12 @@ def batch_order(n: int, step: int, global_batch: int, seed: int) -> list[int]:
 # ---------------------------------------------------------------- model, eval, step
 
 
-def build(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger):
+def build(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger):
     """LoRA on the meta model, shard, allocate, load the base, then initialise the adapters."""
-    model = meta_model(read_config(cfg.model), select_ops(d.device, cfg.liger, compile=cfg.compile))
+    model = meta_model(read_config(cfg.model), select_ops(proc.device, cfg.liger, compile=cfg.compile))
     targets = [t.strip() for t in cfg.targets.split(",") if t.strip()]
     lora.apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets)
-    if d.device.type == "cuda":  # the frozen base is held in bf16, its compute dtype; adapters stay fp32
+    if proc.device.type == "cuda":  # the frozen base is held in bf16, its compute dtype; adapters stay fp32
         lora.cast_frozen(model, torch.bfloat16)
     trainable, total = lora.count_parameters(model)
     pct = round(100 * trainable / total, 3)
@@ -134,54 +135,56 @@ def build(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger):
     )
     row_len = min(cfg.max_seq_len, model.config.max_seq_len)
     packed = dict(tokens_per_forward=cfg.max_tokens_per_forward or cfg.micro_batch * row_len) if cfg.packing else {}
-    log.log("batch", world=d.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
+    log.log("batch", world=proc.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
     parallel.parallelize(
-        model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, shard=d.world_size > 1
+        model, mixed_precision=proc.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, shard=proc.world_size > 1
     )
-    materialize(model, d.device, init=False)
+    materialize(model, proc.device, init=False)
     load_weights_into(model, cfg.model)
     lora.reset_lora_parameters(model, seed=cfg.seed)
     return model.train()
 
 
 @torch.no_grad()
-def evaluate(model, val: list, cfg: FinetuneConfig, d: parallel.Dist, pad_id: int) -> float:
+def evaluate(model, val: list, cfg: FinetuneConfig, proc: parallel.Process, pad_id: int) -> float:
     """Masked (assistant-token) mean NLL over the val set, split over ranks, every rank running the same forwards."""
     model.eval()
-    per_call = cfg.micro_batch * d.world_size
+    per_call = cfg.micro_batch * proc.world_size
     nll, n = 0.0, 0
     for b in range(math.ceil(len(val) / per_call)):
-        s = b * per_call + d.rank * cfg.micro_batch
+        s = b * per_call + proc.rank * cfg.micro_batch
         chunk = val[s : s + cfg.micro_batch] or [([pad_id, pad_id], [IGNORE, IGNORE])]  # FSDP needs every rank
-        x, y = collate(chunk, pad_id, d.device)
+        x, y = collate(chunk, pad_id, proc.device)
         nll += float(model(x, targets=y, reduction="sum"))
         n += int((y != IGNORE).sum())
     model.train()
-    total_nll, total_n = parallel.all_reduce_sum([nll, n], d.device)
+    total_nll, total_n = parallel.all_reduce_sum([nll, n], proc.device)
     return total_nll / max(total_n, 1)
 
 
-def train_step(model, batch: list, params: list, cfg: FinetuneConfig, d, pad_id: int, row_len: int | None = None):
+def train_step(model, batch: list, params: list, cfg: FinetuneConfig, proc, pad_id: int, row_len: int | None = None):
     """Forward/backward of this rank's micro-batches (packed into rows of up to `row_len` tokens if given,
     at most --max-tokens-per-forward a forward); returns (the step's mean target NLL, grad norm, tokens)."""
     n_targets = sum(sum(x != IGNORE for x in lab[1:]) for _, lab in batch)
     nll = 0.0
     budget = cfg.max_tokens_per_forward
-    for x, y, doc_ids in micro_batches(batch, d.rank, d.world_size, cfg.micro_batch, pad_id, d.device, row_len, budget):
+    for x, y, doc_ids in micro_batches(
+        batch, proc.rank, proc.world_size, cfg.micro_batch, pad_id, proc.device, row_len, budget
+    ):
         loss_sum = model(x, targets=y, reduction="sum", doc_ids=doc_ids)
         # FSDP averages gradients over ranks: scaling by world size makes the step the mean over every target
         # token of the global batch, however it is split.
-        (loss_sum * (d.world_size / n_targets)).backward()
+        (loss_sum * (proc.world_size / n_targets)).backward()
         nll += float(loss_sum.detach())
     gn = float(parallel.full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))))
-    return parallel.all_reduce_sum([nll], d.device)[0] / n_targets, gn, sum(len(ids) - 1 for ids, _ in batch)
+    return parallel.all_reduce_sum([nll], proc.device)[0] / n_targets, gn, sum(len(ids) - 1 for ids, _ in batch)
 
 
 # ---------------------------------------------------------------- train
 
 
-def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
-    torch.manual_seed(cfg.seed * 1000 + d.rank)  # dropout masks differ per rank
+def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> None:
+    torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
     check_model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer")
     tok, mcfg = load_tokenizer(cfg.tokenizer), read_config(cfg.model)
     if tok.get_vocab_size() > mcfg.vocab_size:
@@ -191,19 +194,19 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
     examples, val = load_data(cfg, tok, max_len, log)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
-    model = build(cfg, d, log)
+    model = build(cfg, proc, log)
     params = lora.lora_parameters(model)
-    fused = d.device.type == "cuda" or None
+    fused = proc.device.type == "cuda" or None
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay, fused=fused)
     if val:
-        log.log("eval", step=0, val_loss=evaluate(model, val, cfg, d, pad_id))
+        log.log("eval", step=0, val_loss=evaluate(model, val, cfg, proc, pad_id))
     meter, t0 = Progress(steps, every=cfg.log_every), time.time()
     for step in range(steps):
         t_step = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, steps, cfg.min_lr_ratio)
         set_lr(opt, lr)
         batch = [examples[i] for i in batch_order(len(examples), step, cfg.global_batch, cfg.seed)]
-        loss, gn, n_tokens = train_step(model, batch, params, cfg, d, pad_id, max_len if cfg.packing else None)
+        loss, gn, n_tokens = train_step(model, batch, params, cfg, proc, pad_id, max_len if cfg.packing else None)
         if not (math.isfinite(loss) and math.isfinite(gn)):  # nothing non-finite is applied or saved
             msg = f"loss {loss} / grad norm {gn} at step {step + 1}: stopped before the update"
             raise FloatingPointError(f"{msg}, nothing saved; try a lower --lr")
@@ -215,14 +218,14 @@ def train(cfg: FinetuneConfig, d: parallel.Dist, log: MetricLogger) -> None:
             w, tps = meter.flush(done), round(n_tokens / dt)
             log.log("finetune", step=done, loss=w["loss"], lr=lr, grad_norm=gn, tokens_per_s=tps, eta=w["eta"])
         if val and (done % cfg.eval_every == 0 or done == steps):
-            log.log("eval", step=done, val_loss=evaluate(model, val, cfg, d, pad_id))
-    save(model, cfg, tok, d, log, time.time() - t0)
+            log.log("eval", step=done, val_loss=evaluate(model, val, cfg, proc, pad_id))
+    save(model, cfg, tok, proc, log, time.time() - t0)
 
 
-def save(model, cfg: FinetuneConfig, tok, d: parallel.Dist, log: MetricLogger, seconds: float) -> None:
+def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLogger, seconds: float) -> None:
     """The adapter (every rank gathers, rank 0 writes), the tokenizer beside it, then the optional merged model."""
-    lora.save_adapter(model, cfg.out, base_model_name_or_path=os.path.abspath(cfg.model), is_writer=d.is_main)
-    if d.is_main:
+    lora.save_adapter(model, cfg.out, base_model_name_or_path=os.path.abspath(cfg.model), is_writer=proc.is_main)
+    if proc.is_main:
         copy_tokenizer_files(cfg.tokenizer, cfg.out)
         atomic_write_json(os.path.join(cfg.out, "finetune_args.json"), dataclasses.asdict(cfg))
         log.log("export", dir=cfg.out, seconds=round(seconds, 1))
@@ -237,7 +240,7 @@ def save(model, cfg: FinetuneConfig, tok, d: parallel.Dist, log: MetricLogger, s
             copy_tokenizer_files(cfg.tokenizer, merged)
             atomic_write_json(os.path.join(merged, MERGED_MARK), {"adapter": os.path.abspath(cfg.out)})
             log.log("export", dir=merged, merged=True)
-    if d.world_size > 1:
+    if proc.world_size > 1:
         torch.distributed.barrier()
 
 
@@ -278,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.chat or cfg.prompt:
             try_model(cfg)
             return 0
-        d = parallel.setup(cfg.device)
-        log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=d.is_main)
+        proc = parallel.setup(cfg.device)
+        log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main)
         try:
-            train(cfg, d, log)
+            train(cfg, proc, log)
             parallel.finish()
         finally:
             log.close()

@@ -40,11 +40,13 @@ else:
 
     from tqdm import tqdm
 
-    from minilm_az import clean, shards
+    from minilm_az import shards
     from minilm_az import tokenizer as tk
-    from minilm_az.config import TOKENIZE_CONFIGS, HelpFormatter, Parser, add_dataclass_args, parse_config
+    from minilm_az.config import TOKENIZE_CONFIGS
+    from minilm_az.launch.flags import HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
     from minilm_az.outputs import atomic_write_json, atomic_write_text, staged_output, written_by
+    from minilm_az.prep import clean, readers
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
 DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
@@ -75,19 +77,19 @@ def check_out_dir(out: str, overwrite: bool, stage: str) -> None:
 
 
 def progress_bar(files: list[str], desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=tk.corpus_bytes(files), unit="B", unit_scale=True, desc=desc, disable=not enabled)
+    return tqdm(total=readers.corpus_bytes(files), unit="B", unit_scale=True, desc=desc, disable=not enabled)
 
 
 def read(files: list[str], args, bar: tqdm | None = None):
     on_bytes = bar.update if bar is not None else None
-    return tk.iter_documents(files, args.doc_sep, args.errors, args.text_field, on_bytes)
+    return readers.iter_documents(files, args.doc_sep, args.errors, args.text_field, on_bytes)
 
 
 # --- subcommands -------------------------------------------------------------------------------------
 
 
 def cmd_clean(args) -> None:
-    files = tk.corpus_files(args.corpus or DEMO_TRAIN + DEMO_VAL)
+    files = readers.corpus_files(args.corpus or DEMO_TRAIN + DEMO_VAL)
     check_out_dir(args.out, args.overwrite, "tokenize clean")
     rules = clean.Rules(**{f.name: getattr(args, f.name) for f in dataclasses.fields(clean.Rules)})
     t0 = time.time()
@@ -116,7 +118,7 @@ def cmd_clean(args) -> None:
 
 
 def cmd_train(args) -> None:
-    files = tk.corpus_files(args.corpus or DEMO_TRAIN)
+    files = readers.corpus_files(args.corpus or DEMO_TRAIN)
     check_out_dir(args.out, args.overwrite, "tokenize train")
     t0 = time.time()
     with progress_bar(files, "read corpus", args.progress) as bar:
@@ -167,7 +169,7 @@ def cmd_report(args) -> None:
     if args.baseline:
         toks["baseline"] = tk.load_tokenizer(args.baseline)
         paths["baseline"] = args.baseline
-    files = tk.corpus_files(args.corpus or DEMO_VAL)
+    files = readers.corpus_files(args.corpus or DEMO_VAL)
     per_file = {}
     with progress_bar(files, "report", args.progress) as bar:
         for f in files:
@@ -203,8 +205,8 @@ def cmd_encode(args) -> None:
     corpus, val_corpus = args.corpus, args.val_corpus
     if not corpus:
         corpus, val_corpus = DEMO_TRAIN, val_corpus or DEMO_VAL
-    files = tk.corpus_files(corpus)
-    val_files = tk.corpus_files(val_corpus) if val_corpus else None
+    files = readers.corpus_files(corpus)
+    val_files = readers.corpus_files(val_corpus) if val_corpus else None
     check_out_dir(args.out, args.overwrite, "tokenize encode")
     meta = {
         "created_by": "tokenize.py encode",

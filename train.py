@@ -24,14 +24,16 @@ import torch
 
 from minilm_az import bpb, checkpoint, parallel
 from minilm_az import tokenizer as tk
-from minilm_az.config import PHASE_DEFAULTS, TrainConfig, in_sagemaker, make_parser, parse_config
+from minilm_az.config import PHASE_DEFAULTS, TrainConfig
 from minilm_az.data import BatchStream
 from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
+from minilm_az.launch.flags import in_sagemaker, make_parser, parse_config
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
 from minilm_az.outputs import check_writable, file_sha256
+from minilm_az.prep import readers
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
 
@@ -102,7 +104,7 @@ def embedding_rows(cfg: TrainConfig, n_tok: int) -> int:
 # ---------------------------------------------------------------- model
 
 
-def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger, tok=None):
+def build(cfg: TrainConfig, proc: parallel.Process, vocab_size: int, log: MetricLogger, tok=None):
     """Meta model -> freeze for the phase -> AC/compile/FSDP2 -> materialise -> load (or init) weights."""
     overrides = {}
     if cfg.base_model:
@@ -118,18 +120,18 @@ def build(cfg: TrainConfig, d: parallel.Dist, vocab_size: int, log: MetricLogger
             mcfg = mcfg.with_vocab(vocab_size)
     else:
         mcfg = get_preset(cfg.preset, vocab_size)
-    model = meta_model(mcfg, select_ops(d.device, cfg.liger, cfg.compile))
+    model = meta_model(mcfg, select_ops(proc.device, cfg.liger, cfg.compile))
     if cfg.phase == 1:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
     fp8 = dict(fp8=cfg.fp8, fp8_all_gather=cfg.fp8_all_gather == "true", fp8_fast_accum=cfg.fp8_fast_accum)
-    parallel.parallelize(model, mixed_precision=d.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, **fp8)
-    materialize(model, d.device, seed=cfg.seed, init=not cfg.base_model)
+    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, **fp8)
+    materialize(model, proc.device, seed=cfg.seed, init=not cfg.base_model)
     if cfg.base_model:
         load_weights_into(model, cfg.base_model, overrides)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    accum = cfg.global_batch // (cfg.micro_batch * d.world_size)
-    log.log("model", params=mcfg.num_params(), trainable=trainable, world=d.world_size, micro_batch=cfg.micro_batch)
+    accum = cfg.global_batch // (cfg.micro_batch * proc.world_size)
+    log.log("model", params=mcfg.num_params(), trainable=trainable, world=proc.world_size, micro_batch=cfg.micro_batch)
     log.log("batch", accum=accum, tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, fp8=cfg.fp8)
     return model
 
@@ -141,7 +143,7 @@ def eval_tokens(cfg: TrainConfig, tok) -> np.ndarray:
     """The stream to score: --eval-text documents (NFC once, then encoded), else the val split of --data."""
     eos = tk.eos_id(tok)
     if cfg.eval_text:
-        docs = [unicodedata.normalize("NFC", t) for t in tk.iter_documents(tk.corpus_files(cfg.eval_text))]
+        docs = [unicodedata.normalize("NFC", t) for t in readers.iter_documents(readers.corpus_files(cfg.eval_text))]
         return bpb.doc_stream(tk.encode_plain(tok, docs), eos)
     val = TokenStream(cfg.data, "val")
     if val.num_tokens == 0:
@@ -149,36 +151,36 @@ def eval_tokens(cfg: TrainConfig, tok) -> np.ndarray:
     return np.concatenate([[eos], val.get(0, val.num_tokens)])
 
 
-def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, cfg: TrainConfig, d, log, step: int) -> dict:
+def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, cfg: TrainConfig, proc, log, step: int) -> dict:
     """Val loss and bits per byte: bytes are those of exactly the targets scored (see bpb.py)."""
     cap = cfg.eval_batches * cfg.micro_batch if cfg.eval_batches else None
     tick = ticker(log, "eval_progress", step=step)
     shares = bpb.total_nll(
-        model, tokens, cfg.seq_len, cfg.micro_batch, d.device, d.rank, d.world_size, cap, token_bytes, tick
+        model, tokens, cfg.seq_len, cfg.micro_batch, proc.device, proc.rank, proc.world_size, cap, token_bytes, tick
     )
-    nll, count, n_bytes = parallel.all_reduce_sum(list(shares), d.device)
+    nll, count, n_bytes = parallel.all_reduce_sum(list(shares), proc.device)
     bits = bpb.bits_per_byte(nll, n_bytes)
     return dict(
         val_loss=nll / max(count, 1), val_bpb=bits, val_tokens=int(count), val_bytes=int(n_bytes), window=cfg.seq_len
     )
 
 
-def eval_only(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
+def eval_only(cfg: TrainConfig, proc: parallel.Process, log: MetricLogger) -> None:
     need_dir(cfg.base_model, "--base-model", "the model to evaluate")
     tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "the model's own tokenizer"))
     cfg.phase, cfg.base_tokenizer = 2, None  # evaluate the model as it is: no vocabulary transfer
-    model = build(cfg, d, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log)
-    log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), tk.token_byte_lengths(tok), cfg, d, log, 0))
+    model = build(cfg, proc, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log)
+    log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), tk.token_byte_lengths(tok), cfg, proc, log, 0))
 
 
 # ---------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, stream: BatchStream, step: int, params: list, cfg: TrainConfig, d):
+def train_step(model, optimizer, stream: BatchStream, step: int, params: list, cfg: TrainConfig, proc):
     """Forward and backward over this rank's micro-batches of `step`; returns (mean loss here, grad norm)."""
     set_lr(optimizer, cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
-    loss_sum = torch.zeros((), device=d.device)
-    for x, y in stream.micro_batches(step, d.device):
+    loss_sum = torch.zeros((), device=proc.device)
+    for x, y in stream.micro_batches(step, proc.device):
         loss = model(x, targets=y) / stream.accum_steps
         loss.backward()
         loss_sum += loss.detach()
@@ -186,14 +188,14 @@ def train_step(model, optimizer, stream: BatchStream, step: int, params: list, c
     return float(loss_sum), float(parallel.full_tensor(grad_norm))
 
 
-def load_inputs(cfg: TrainConfig, d: parallel.Dist):
+def load_inputs(cfg: TrainConfig, proc: parallel.Process):
     """Our tokenizer (checked against the shards), the training batches, and the val tokens with bytes per id."""
     tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
     index = load_index(need_dir(cfg.data, "--data", "token shards, from tokenize.py encode"))
     check_tokenizer(index, tk.tokenizer_hash(cfg.tokenizer), tok.get_vocab_size(with_added_tokens=True))
     check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
     train = TokenStream(cfg.data, "train")
-    stream = BatchStream(train, cfg.seq_len, cfg.global_batch, cfg.micro_batch, d.rank, d.world_size, cfg.seed)
+    stream = BatchStream(train, cfg.seq_len, cfg.global_batch, cfg.micro_batch, proc.rank, proc.world_size, cfg.seed)
     return tok, stream, (eval_tokens(cfg, tok), tk.token_byte_lengths(tok))
 
 
@@ -205,33 +207,33 @@ def run_identity(cfg: TrainConfig, model) -> tuple[dict, dict]:
     return must, {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
 
 
-def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
-    tok, stream, val = load_inputs(cfg, d)
-    model = build(cfg, d, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log, tok)
+def train(cfg: TrainConfig, proc: parallel.Process, log: MetricLogger) -> None:
+    tok, stream, val = load_inputs(cfg, proc)
+    model = build(cfg, proc, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, d.device.type == "cuda")
+    optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, proc.device.type == "cuda")
     parallel.fp8_scale_hook(model, optimizer, on=cfg.fp8_all_gather == "true")
     must, may = run_identity(cfg, model)
     ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
-    ckpt = checkpoint.Checkpointer(ckpt_dir, d.rank, d.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, proc.rank, proc.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
     start = 0
     if cfg.resume == "auto":  # the newest complete checkpoint made from these same inputs
-        start, _ = checkpoint.resume(ckpt_dir, model, optimizer, d.rank, must, may, log.info)
+        start, _ = checkpoint.resume(ckpt_dir, model, optimizer, proc.rank, must, may, log.info)
     if start:
         log.log("resume", **{"from": os.path.join(ckpt_dir, f"step-{start:08d}")}, step=start)
     else:
-        log.log("eval", step=0, **evaluate(model, *val, cfg, d, log, 0))
+        log.log("eval", step=0, **evaluate(model, *val, cfg, proc, log, 0))
     stop, meter = sigterm_flag(), Progress(cfg.steps, start, every=cfg.log_every)
     last_save, pending, stopping = time.monotonic(), None, 0.0  # pending: a checkpoint still being written
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(model, optimizer, stream, step, params, cfg, d)
+        loss, grad_norm = train_step(model, optimizer, stream, step, params, cfg, proc)
         # One all-reduce carries the loss and three flags, so every rank decides alike after this step: a SIGTERM
         # that reached only some ranks, rank 0's checkpoint clock, and how many ranks are still writing one.
-        clock = d.is_main and 0 < cfg.checkpoint_minutes * 60 <= time.monotonic() - last_save
+        clock = proc.is_main and 0 < cfg.checkpoint_minutes * 60 <= time.monotonic() - last_save
         flags = [loss, float(stop[0] is not None), float(clock), float(not ckpt.pending_done())]
-        loss, stopping, clock, writing = parallel.all_reduce_sum(flags, d.device)
-        loss, done = loss / d.world_size, step + 1
+        loss, stopping, clock, writing = parallel.all_reduce_sum(flags, proc.device)
+        loss, done = loss / proc.world_size, step + 1
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # all ranks see the same reduced values
             ckpt.close()  # a checkpoint still being written is finished first: it is the last good one
             last = checkpoint.latest_checkpoint(ckpt_dir) or "none"
@@ -246,10 +248,10 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
         if meter.due(done):
             w, lr = meter.flush(done), optimizer.param_groups[0]["lr"]
             tps = cfg.global_batch * cfg.seq_len * w["steps_per_s"]
-            speed = throughput(tps, d.world_size, model.config.flops_per_token(cfg.seq_len), d.device)
+            speed = throughput(tps, proc.world_size, model.config.flops_per_token(cfg.seq_len), proc.device)
             log.log("train", step=done, loss=w["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=w["eta"])
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            log.log("eval", step=done, **evaluate(model, *val, cfg, d, log, done))
+            log.log("eval", step=done, **evaluate(model, *val, cfg, proc, log, done))
         if stopping or clock or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
             ckpt.save(done, model, optimizer, {**must, **may})
             last_save, pending = time.monotonic(), done
@@ -260,7 +262,7 @@ def train(cfg: TrainConfig, d: parallel.Dist, log: MetricLogger) -> None:
         log.log("checkpoint", step=pending, dir=ckpt.finalize())
     ckpt.close()
     if not stopping:
-        export(model, cfg, tok, d, log)
+        export(model, cfg, tok, proc, log)
 
 
 def sigterm_flag() -> list:
@@ -270,22 +272,22 @@ def sigterm_flag() -> list:
     return flag
 
 
-def export(model, cfg: TrainConfig, tok, d: parallel.Dist, log: MetricLogger) -> None:
+def export(model, cfg: TrainConfig, tok, proc: parallel.Process, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
     ids, dtype = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}, getattr(torch, cfg.export_dtype)
-    save_pretrained(model, cfg.out, dtype, token_ids=ids, is_writer=d.is_main)
-    if d.is_main:
+    save_pretrained(model, cfg.out, dtype, token_ids=ids, is_writer=proc.is_main)
+    if proc.is_main:
         tk.copy_tokenizer_files(cfg.tokenizer, cfg.out)
     log.log("export", dir=cfg.out, dtype=cfg.export_dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    d = parallel.setup(cfg.device)
-    log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=d.is_main)
+    proc = parallel.setup(cfg.device)
+    log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main)
     log.log("config", **dataclasses.asdict(cfg))
     try:
-        eval_only(cfg, d, log) if cfg.eval_only else train(cfg, d, log)
+        eval_only(cfg, proc, log) if cfg.eval_only else train(cfg, proc, log)
         parallel.finish()
     finally:
         log.close()

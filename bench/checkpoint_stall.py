@@ -38,11 +38,11 @@ from minilm_az.kernels import select_ops  # noqa: E402
 from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
 
 
-def build(preset: str, vocab: int, d: parallel.Dist):
-    model = meta_model(get_preset(preset, vocab), select_ops(d.device, liger=False))
-    parallel.parallelize(model, mixed_precision=d.device.type == "cuda")
-    materialize(model, d.device, seed=0)
-    cuda = d.device.type == "cuda"
+def build(preset: str, vocab: int, proc: parallel.Process):
+    model = meta_model(get_preset(preset, vocab), select_ops(proc.device, liger=False))
+    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda")
+    materialize(model, proc.device, seed=0)
+    cuda = proc.device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, foreach=not cuda)
     return model, opt
 
@@ -84,10 +84,10 @@ def disk_gib_per_s(path: str, gib: float = 2.0) -> float:
     return rate
 
 
-def measure(mode: str, model, opt, step, args, d, first_step: int, deadline: float, rows: list) -> None:
+def measure(mode: str, model, opt, step, args, proc, first_step: int, deadline: float, rows: list) -> None:
     ck_dir = os.path.join(args.out_dir, mode)
     shutil.rmtree(ck_dir, ignore_errors=True)
-    ck = Checkpointer(ck_dir, d.rank, d.local_rank, keep=1, async_save=mode == "async")
+    ck = Checkpointer(ck_dir, proc.rank, proc.local_rank, keep=1, async_save=mode == "async")
     last_write = 0.0
     for r in range(args.repeats):
         if time.time() + 1.5 * last_write + 30 > deadline:
@@ -175,15 +175,15 @@ def main() -> None:
     args = ap.parse_args()
 
     deadline = time.time() + args.budget_s
-    d = parallel.setup(args.device)
-    model, opt = build(args.preset, args.vocab, d)
-    step = make_step(model, opt, args, d.device)
+    proc = parallel.setup(args.device)
+    model, opt = build(args.preset, args.vocab, proc)
+    step = make_step(model, opt, args, proc.device)
     for _ in range(args.warmup):
         step()
     args.env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name() if d.device.type == "cuda" else platform.processor(),
+        "gpu": torch.cuda.get_device_name() if proc.device.type == "cuda" else platform.processor(),
         "params": sum(p.numel() for p in model.parameters()),
         "cpus": os.cpu_count(),
         "disk": args.out_dir,
@@ -195,7 +195,7 @@ def main() -> None:
     print(HEADER, flush=True)
     rows: list[dict] = []
     for i, mode in enumerate(args.modes.split(",")):
-        measure(mode, model, opt, step, args, d, 100 * (i + 1), deadline, rows)
+        measure(mode, model, opt, step, args, proc, 100 * (i + 1), deadline, rows)
     parallel.finish()
     parallel.teardown()
 

@@ -121,7 +121,7 @@ def scores(docs: list[tuple[str, str, int]], steps: list[str | None]) -> dict[st
 def lid_table(thresholds=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9)) -> None:
     """Share of real lines clean.language() keeps (as Azerbaijani) per language and py3langid threshold, and
     what a letter prior would add: keep also when the model's top language is Turkish and the text has ə."""
-    from minilm_az import clean
+    from minilm_az.prep import clean
 
     ident = clean.Worker(clean.Rules()).identifier
     sets = {"az": [ln for f in AZ_FILES for ln in _lines(f)]} | {k: _lines(p) for k, p in FOREIGN.items()}
@@ -140,12 +140,11 @@ def lid_table(thresholds=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9)) -> None:
 
 
 def run_ours(inp: str, out: str, workers: int, lang: str, memory_mb: float) -> None:
-    from minilm_az import clean
-    from minilm_az import tokenizer as tk
+    from minilm_az.prep import clean, readers
 
     rules = clean.Rules(lang=lang, dedup_memory_mb=memory_mb)
     os.makedirs(out, exist_ok=True)
-    clean.clean_corpus(tk.iter_documents([inp]), out, rules, workers)
+    clean.clean_corpus(readers.iter_documents([inp]), out, rules, workers)
 
 
 def run_datatrove(inp: str, out: str, workers: int) -> None:
@@ -237,7 +236,7 @@ def main() -> None:
         return
     if args.lid:
         return lid_table()
-    from minilm_az import clean
+    from minilm_az.prep import clean
 
     # recall/precision on the issue's set (scale 1): with several groupings of the same lines, "unique"
     # documents share lines, so some are real near duplicates of each other and the labels stop being truth

@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)  # run as a file: `python bench/encode_throughput.py` f
 
 from minilm_az import shards  # noqa: E402
 from minilm_az import tokenizer as tk  # noqa: E402
+from minilm_az.prep import readers  # noqa: E402
 
 
 def make_corpus(path: str, scale: int) -> int:
@@ -68,14 +69,14 @@ def main() -> None:
             tok_dir = os.path.join(work, "tok")
             train = [os.path.join(ROOT, "data", "az", f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
             tk.write_tokenizer_files(
-                tk.train_tokenizer(tk.iter_documents(train), args.vocab_size, progress=False), tok_dir
+                tk.train_tokenizer(readers.iter_documents(train), args.vocab_size, progress=False), tok_dir
             )
         tok = tk.load_tokenizer(tok_dir)
         corpus = os.path.join(work, f"demo_x{args.scale}.txt")
         nbytes = make_corpus(corpus, args.scale)
         small = os.path.join(work, "demo_x1.txt")
         make_corpus(small, 1)
-        texts = list(tk.iter_documents([corpus]))
+        texts = list(readers.iter_documents([corpus]))
         print(
             f"corpus: demo x{args.scale} = {nbytes / 1e6:.2f} MB, {len(texts)} documents; "
             f"tokenizer vocab {tok.get_vocab_size()}; {os.cpu_count()} CPUs, "
@@ -92,7 +93,7 @@ def main() -> None:
             out = os.path.join(work, "shards")
             shutil.rmtree(out, ignore_errors=True)
             index = shards.write_shards(
-                tk.iter_documents([corpus]),
+                readers.iter_documents([corpus]),
                 out,
                 encode=functools.partial(tk.encode_plain, tok),
                 vocab_size=tok.get_vocab_size(),

@@ -79,27 +79,27 @@ def make_sets(tok, max_len: int, n_long: int, seed: int = 0) -> dict[str, list]:
     }
 
 
-def build_ours(mcfg, fc: FinetuneConfig, d: parallel.Dist, shard: bool | None = None):
+def build_ours(mcfg, fc: FinetuneConfig, proc: parallel.Process, shard: bool | None = None):
     """finetune.build's steps, with a random base instead of loaded weights (`shard`: FSDP2 even on one GPU)."""
-    model = meta_model(mcfg, select_ops(d.device, fc.liger, compile=fc.compile))
+    model = meta_model(mcfg, select_ops(proc.device, fc.liger, compile=fc.compile))
     lora.apply_lora(model, r=fc.lora_r, alpha=fc.lora_alpha, dropout=fc.lora_dropout, targets=TARGETS.split(","))
-    if d.device.type == "cuda":
+    if proc.device.type == "cuda":
         lora.cast_frozen(model, torch.bfloat16)
     parallel.parallelize(
         model,
-        mixed_precision=d.device.type == "cuda",
+        mixed_precision=proc.device.type == "cuda",
         ac=fc.ac,
         compile=fc.compile,
-        shard=d.world_size > 1 if shard is None else shard,
+        shard=proc.world_size > 1 if shard is None else shard,
     )
-    materialize(model, d.device, seed=0)
+    materialize(model, proc.device, seed=0)
     lora.reset_lora_parameters(model, seed=0)
     params = lora.lora_parameters(model)
     dtypes = sorted({f"{'lora' if 'lora_' in n else 'base'}:{p.dtype}" for n, p in model.named_parameters()})
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=d.device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=proc.device.type == "cuda")
 
     def step(batch, row_len, pad_id):
-        loss, _, _ = finetune.train_step(model, batch, params, fc, d, pad_id, row_len)
+        loss, _, _ = finetune.train_step(model, batch, params, fc, proc, pad_id, row_len)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -229,8 +229,8 @@ def run_row(name, builder, examples, layout, fc, args, device, pad_id) -> dict:
 def first_loss(name, model, batch, layout, fc, pad_id, device) -> float:
     if name.startswith("ours"):
         params = lora.lora_parameters(model)
-        d = parallel.Dist(0, 1, 0, device)
-        loss = finetune.train_step(model, batch, params, fc, d, pad_id, layout)[0]
+        proc = parallel.Process(0, 1, 0, device)
+        loss = finetune.train_step(model, batch, params, fc, proc, pad_id, layout)[0]
         for p in params:
             p.grad = None
         return loss
@@ -277,8 +277,8 @@ def main():
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--out", default="bench/results/finetune_throughput.json")
     args = p.parse_args()
-    d = parallel.setup(args.device)
-    device, cuda = d.device, d.device.type == "cuda"
+    proc = parallel.setup(args.device)
+    device, cuda = proc.device, proc.device.type == "cuda"
     if args.quick:
         args.warmup, args.steps, args.n_long, args.max_seq_len, args.memory_vocab = 1, 2, 32, 256, 0
         args.cap_tokens = 256
@@ -299,14 +299,14 @@ def main():
     plan = [  # (variant, builder, layout, config, sets); the peer first, so no compiled row runs before it
         ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
         ("peer_packed", lambda: build_peer(mcfg, fc, device, liger), True, fc, ("short", "long")),
-        ("ours_packed", lambda: build_ours(mcfg, fc, d), max_len, fc, ("short", "long")),
-        ("ours_packed_capped", lambda: build_ours(mcfg, capped, d), max_len, capped, ("short",)),
-        ("ours_padded", lambda: build_ours(mcfg, fc, d), None, fc, ("short", "long")),
-        ("ours_packed_compile", lambda: build_ours(mcfg, compiled, d), max_len, compiled, gpu_sets),
-        ("ours_padded_compile", lambda: build_ours(mcfg, compiled, d), None, compiled, gpu_sets),
-        ("ours_packed_capped_compile", lambda: build_ours(mcfg, capped_c, d), max_len, capped_c, gpu_sets[:1]),
-        ("ours_packed_compile_fsdp", lambda: build_ours(mcfg, compiled, d, True), max_len, compiled, gpu_sets[1:]),
-        ("ours_padded_compile_fsdp", lambda: build_ours(mcfg, compiled, d, True), None, compiled, gpu_sets[1:]),
+        ("ours_packed", lambda: build_ours(mcfg, fc, proc), max_len, fc, ("short", "long")),
+        ("ours_packed_capped", lambda: build_ours(mcfg, capped, proc), max_len, capped, ("short",)),
+        ("ours_padded", lambda: build_ours(mcfg, fc, proc), None, fc, ("short", "long")),
+        ("ours_packed_compile", lambda: build_ours(mcfg, compiled, proc), max_len, compiled, gpu_sets),
+        ("ours_padded_compile", lambda: build_ours(mcfg, compiled, proc), None, compiled, gpu_sets),
+        ("ours_packed_capped_compile", lambda: build_ours(mcfg, capped_c, proc), max_len, capped_c, gpu_sets[:1]),
+        ("ours_packed_compile_fsdp", lambda: build_ours(mcfg, compiled, proc, True), max_len, compiled, gpu_sets[1:]),
+        ("ours_padded_compile_fsdp", lambda: build_ours(mcfg, compiled, proc, True), None, compiled, gpu_sets[1:]),
         # the peer again, last: a check that the rows before it (compiled ones) did not slow the GPU down
         ("peer_padded_last", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
     ]
@@ -326,7 +326,9 @@ def main():
         big = get_preset(args.preset, args.memory_vocab)
         args.set_name, args.check_loss = "long", False
         for name, layout in (("ours_packed_1b_100k", max_len), ("ours_padded_1b_100k", None)):
-            rows.append(run_row(name, lambda: build_ours(big, fc, d), sets["long"], layout, fc, args, device, pad_id))
+            rows.append(
+                run_row(name, lambda: build_ours(big, fc, proc), sets["long"], layout, fc, args, device, pad_id)
+            )
     report(rows, sets, args, liger, mcfg, max_len)
     parallel.finish()
     parallel.teardown()

@@ -21,7 +21,9 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class Dist:
+class Process:
+    """This process's place in the job: its rank among all processes, how many there are, and its device."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -40,7 +42,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def setup(device: str = "auto", timeout_min: int = 30) -> Dist:
+def setup(device: str = "auto", timeout_min: int = 30) -> Process:
     """Join the torchrun process group (or make a one-process group), bind this rank's GPU.
 
     A group is made even for one process, so training is one code path: FSDP2 over a mesh of any size.
@@ -64,7 +66,7 @@ def setup(device: str = "auto", timeout_min: int = 30) -> Dist:
             timeout=timedelta(minutes=timeout_min),
             device_id=dev if dev.type == "cuda" else None,
         )
-    return Dist(rank, world, local_rank, dev)
+    return Process(rank, world, local_rank, dev)
 
 
 def finish() -> None:

@@ -57,7 +57,7 @@ def aws(request, monkeypatch):
     """A boto3 session inside moto's mock: fake credentials, a region, no config files, no metadata calls.
 
     A test that launches needs the SDK line it asserts about: 3.x if marked `sdk3`, else 2.x."""
-    from minilm_az.sagemaker import installed_sdk, sdk_version
+    from minilm_az.launch.sagemaker import installed_sdk, sdk_version
 
     pytest.importorskip("sagemaker")
     want = "v3" if request.node.get_closest_marker("sdk3") else "v2"
@@ -78,7 +78,7 @@ def aws(request, monkeypatch):
 @pytest.fixture
 def project(tmp_path):
     """A copy of the checkout, plus junk the upload must leave behind."""
-    from minilm_az import sagemaker as sm
+    from minilm_az.launch import sagemaker as sm
 
     root = tmp_path / "checkout"
     shutil.copytree(ROOT / "minilm_az", root / "minilm_az", ignore=shutil.ignore_patterns("__pycache__"))

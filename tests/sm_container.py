@@ -5,7 +5,7 @@
     assert run.returncode == 0, run.explain()
     assert "config.json" in run.model_files()
 
-`launch` runs `minilm_az.sagemaker.launch` against a moto-mocked AWS (the caller owns the mock): each
+`launch` runs `minilm_az.launch.sagemaker.launch` against a moto-mocked AWS (the caller owns the mock): each
 local input is uploaded to the mocked S3 first and passed to its launcher flag (`--data s3://...`). `replay` then
 builds what the instance would see from the CreateTrainingJob request alone:
 
@@ -119,7 +119,7 @@ def upload(session: Any, local: str | Path, uri: str) -> str:
 
 def input_flags(stage: str) -> dict[str, str]:
     """The launcher's input flags for `stage` (`--model`, `--val-data`, ...) -> the channel each one creates."""
-    from minilm_az import sagemaker as sm
+    from minilm_az.launch import sagemaker as sm
 
     sub = next(a for a in sm.build_parser()._actions if a.dest == "stage")
     return {
@@ -136,13 +136,13 @@ def launch(
     bucket: str = BUCKET,
     role: str = ROLE,
 ):
-    """`python -m minilm_az.sagemaker ARGV --input s3://... --role ROLE --bucket BUCKET`, against moto.
+    """`python -m minilm_az.launch.sagemaker ARGV --input s3://... --role ROLE --bucket BUCKET`, against moto.
 
     `inputs` maps a launcher input flag (`--data`, `--model`, `--val-data`: what a user types) to a local
     file or dir, uploaded first to s3://BUCKET/inputs/<id>/<flag>/. Returns the launcher's
     `Launched(plan, request, sent)`; the channel names are the launcher's business.
     """
-    from minilm_az import sagemaker as sm
+    from minilm_az.launch import sagemaker as sm
 
     s3 = session.client("s3")
     if bucket not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:

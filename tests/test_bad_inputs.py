@@ -1,7 +1,8 @@
 """Guardrails, proven row by row: no data loss, no silent wrong result, one-line errors.
 
 ONE TABLE (`ROWS`): each row is a bad input given the way a user gives it (`python tokenize.py ...`,
-`python train.py ...`, `torchrun ... train.py ...`, `python finetune.py ...`, `python -m minilm_az.sagemaker ...`),
+`python train.py ...`, `torchrun ... train.py ...`, `python finetune.py ...`,
+`python -m minilm_az.launch.sagemaker ...`),
 the exit code it must end with, a fragment of the one error line (it names the file, line or flag), and
 the files that must come through byte-identical. Every error row asserts:
 
@@ -250,7 +251,7 @@ def check_ranks_exit_2(r):
 TR = f"python train.py --phase 2 --tokenizer {{T}} --data {{S}} {SMALL}"
 FT = f"python finetune.py --model {{M}} --data {{CHAT}} {SMALL_FT}"
 LAUNCH = (
-    "python -m minilm_az.sagemaker train --phase 2 --data s3://b/shards/ --tokenizer s3://b/tok/ "
+    "python -m minilm_az.launch.sagemaker train --phase 2 --data s3://b/shards/ --tokenizer s3://b/tok/ "
     "--instance-type ml.g5.xlarge"
 )
 
@@ -771,7 +772,7 @@ def results(request, fx, tmp_path_factory) -> dict[str, Result]:
 def error_prefix(row: Row) -> str:
     """The regex of the error line's start: `tokenize.py train: error:`, `train.py: error:`, ..."""
     if row.launcher:
-        return r"python -m minilm_az\.sagemaker: error: "
+        return r"python -m minilm_az\.launch\.sagemaker: error: "
     script = next(w for w in shlex.split(row.cmd) if w.endswith(".py"))
     return re.escape(script) + r"( [a-z]+)?: error: "
 

@@ -1,4 +1,4 @@
-"""`tokenize.py clean` and minilm_az/clean.py: the issue's targets on a planted set built from real text
+"""`tokenize.py clean` and minilm_az/prep/clean.py: the issue's targets on a planted set built from real text
 (data/az, data/lid), each step on its own, the MinHash estimate against exact Jaccard, language ID on real
 Azerbaijani/Turkish/Russian/English lines, Parquet and zstd input, and the command line as a user runs it."""
 
@@ -17,8 +17,7 @@ import pytest
 import zstandard
 
 from bench.clean_throughput import FOREIGN, planted_set, scores
-from minilm_az import clean
-from minilm_az import tokenizer as tk
+from minilm_az.prep import clean, dedup, readers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data", "az")
@@ -140,16 +139,16 @@ def test_input_is_streamed_a_bounded_window_at_a_time():
 def test_dedup_indexes_give_the_same_result_once_their_keys_are_frozen_into_sorted_runs(planted, monkeypatch):
     texts = [t for t, _, _ in planted]
     before = [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())]
-    monkeypatch.setattr(clean, "KEY_BUFFER", 50)  # runs after every batch, merged as they pile up
+    monkeypatch.setattr(dedup, "KEY_BUFFER", 50)  # runs after every batch, merged as they pile up
     assert [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())] == before
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 1 << 14])  # all in RAM; every run spilled to disk
 def test_key_table_answers_like_a_dict_of_first_values(budget, tmp_path, monkeypatch):
-    monkeypatch.setattr(clean, "KEY_BUFFER", 100)
+    monkeypatch.setattr(dedup, "KEY_BUFFER", 100)
     rng = np.random.default_rng(0)
-    spill = clean.SpillDir(str(tmp_path))
-    table, ref = clean.KeyTable(budget, spill), {}
+    spill = dedup.SpillDir(str(tmp_path))
+    table, ref = dedup.KeyTable(budget, spill), {}
     for batch in range(40):
         keys = rng.integers(0, 3000, 64, dtype=np.uint64) * np.uint64(2**52)  # repeats, and keys past 2^63
         frozen = table.frozen(keys)
@@ -160,7 +159,7 @@ def test_key_table_answers_like_a_dict_of_first_values(budget, tmp_path, monkeyp
             if hit < 0:
                 table.recent.setdefault(key, batch)
         table.freeze()
-    on_disk = [isinstance(r, clean._DiskRun) for r in table.runs]
+    on_disk = [isinstance(r, dedup._DiskRun) for r in table.runs]
     assert len(table.runs) > 1 and all(on_disk) == (budget < 1 << 20) and any(on_disk) == all(on_disk)
     stored = {key for r in table.runs for part in r.chunks(100) for key in part["key"].tolist()} | set(table.recent)
     assert stored == set(ref)
@@ -170,7 +169,7 @@ def test_key_table_answers_like_a_dict_of_first_values(budget, tmp_path, monkeyp
 
 
 def test_dedup_spilled_to_disk_decides_as_in_ram_and_removes_its_files(planted, tmp_path, monkeypatch):
-    monkeypatch.setattr(clean, "KEY_BUFFER", 200)  # runs freeze every few batches, and merge
+    monkeypatch.setattr(dedup, "KEY_BUFFER", 200)  # runs freeze every few batches, and merge
     texts = [t for t, _, _ in planted]
     in_ram = [(d.step, d.detail) for d in clean.clean_documents(texts, clean.Rules())]
     tiny = clean.Rules(dedup_memory_mb=0.1)  # every run and most signatures on disk
@@ -196,16 +195,16 @@ def test_dedup_index_ram_stays_under_its_budget_however_many_documents_it_holds(
     its own count after every batch and by tracemalloc (every allocation it made, numpy's included)."""
     import tracemalloc
 
-    monkeypatch.setattr(clean, "KEY_BUFFER", 4096)  # the dict of recent keys, fixed: 1.4 MB with a batch's
+    monkeypatch.setattr(dedup, "KEY_BUFFER", 4096)  # the dict of recent keys, fixed: 1.4 MB with a batch's
     budget, rng = 6 << 20, np.random.default_rng(0)
-    spill = clean.SpillDir(str(tmp_path))
+    spill = dedup.SpillDir(str(tmp_path))
     tracemalloc.start()
-    index, traced = clean.NearIndex(0.7, budget, spill), []
-    first = rng.integers(0, 2**32, (8, clean.NUM_PERM), dtype=np.uint32)
-    for batch in range(40_000 // clean.BATCH_DOCS + 1):
-        sigs = rng.integers(0, 2**32, (clean.BATCH_DOCS, clean.NUM_PERM), dtype=np.uint32)
+    index, traced = dedup.NearIndex(0.7, budget, spill), []
+    first = rng.integers(0, 2**32, (8, dedup.NUM_PERM), dtype=np.uint32)
+    for batch in range(40_000 // dedup.BATCH_DOCS + 1):
+        sigs = rng.integers(0, 2**32, (dedup.BATCH_DOCS, dedup.NUM_PERM), dtype=np.uint32)
         sigs[:8] = first  # 8 documents of the first batch again in every later one: found on disk
-        bands = clean.band_keys(sigs)
+        bands = dedup.band_keys(sigs)
         frozen = index.candidates(bands)
         matched = [index.match_or_add(s, b, f) for s, b, f in zip(sigs, bands, frozen)]
         assert sum(m is not None for m in matched) == (8 if batch else 0)
@@ -235,8 +234,8 @@ def test_normalize_nfc_whitespace_and_invisible_characters():
 
 
 def shingles(text: str) -> set[str]:
-    s = " ".join(clean._NOT_WORD.sub(" ", text.lower()).split())
-    return {s[i : i + clean.SHINGLE] for i in range(max(len(s) - clean.SHINGLE + 1, 1))}
+    s = " ".join(dedup._NOT_WORD.sub(" ", text.lower()).split())
+    return {s[i : i + dedup.SHINGLE] for i in range(max(len(s) - dedup.SHINGLE + 1, 1))}
 
 
 def jaccard(a: str, b: str) -> float:
@@ -254,7 +253,7 @@ def test_minhash_agreement_estimates_the_exact_jaccard_of_character_5grams():
         for i in rng.sample(range(len(words)), rng.randint(1, len(words) // 2)):
             words[i] = rng.choice(lines).split()[0]
         b = " ".join(words)
-        est = np.mean(clean.minhash(a) == clean.minhash(b))
+        est = np.mean(dedup.minhash(a) == dedup.minhash(b))
         errors.append(est - jaccard(a, b))
     errors = np.abs(errors)
     assert errors.max() < 0.16 and errors.mean() < 0.05, errors  # std of a 120-value estimate is <= 0.046
@@ -302,15 +301,15 @@ def test_parquet_is_read_by_row_group_with_the_text_field(tmp_path):
     pq.write_table(table, path, row_group_size=10)
     assert pq.ParquetFile(path).num_row_groups == 6
     seen = []
-    docs = list(tk.iter_documents([path], text_field="content", on_bytes=seen.append))
+    docs = list(readers.iter_documents([path], text_field="content", on_bytes=seen.append))
     assert docs == lines and sum(seen) == os.path.getsize(path) and len(seen) == 6
-    with pytest.raises(tk.CorpusError, match=r"fw\.parquet: no column 'text' \(columns: id, content\)"):
-        list(tk.iter_documents([path]))
-    with pytest.raises(tk.CorpusError, match="column 'id' holds int64, not strings"):
-        list(tk.iter_documents([path], text_field="id"))
+    with pytest.raises(readers.CorpusError, match=r"fw\.parquet: no column 'text' \(columns: id, content\)"):
+        list(readers.iter_documents([path]))
+    with pytest.raises(readers.CorpusError, match="column 'id' holds int64, not strings"):
+        list(readers.iter_documents([path], text_field="id"))
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(tk.CorpusError, match=r"bad\.parquet: not a readable Parquet file"):
-        list(tk.iter_documents([str(tmp_path / "bad.parquet")]))
+    with pytest.raises(readers.CorpusError, match=r"bad\.parquet: not a readable Parquet file"):
+        list(readers.iter_documents([str(tmp_path / "bad.parquet")]))
 
 
 def test_jsonl_zst_and_txt_zst_are_read_including_several_frames(tmp_path):
@@ -322,16 +321,16 @@ def test_jsonl_zst_and_txt_zst_are_read_including_several_frames(tmp_path):
     with c.stream_writer(buf, closefd=False) as w:
         w.write(("\n".join(lines) + "\n").encode())
     (tmp_path / "wiki.txt.zst").write_bytes(buf.getvalue())
-    files = tk.corpus_files([str(tmp_path)])
+    files = readers.corpus_files([str(tmp_path)])
     assert [os.path.basename(f) for f in files] == ["oscar.jsonl.zst", "wiki.txt.zst"]
-    assert list(tk.iter_documents(files)) == lines + lines
+    assert list(readers.iter_documents(files)) == lines + lines
     bad_line = c.compress(jsonl[:200] + b"{not json\n")
     (tmp_path / "bad.jsonl.zst").write_bytes(bad_line)
-    with pytest.raises(tk.CorpusError, match=r"bad\.jsonl\.zst:3: malformed JSON line"):
-        list(tk.iter_documents([str(tmp_path / "bad.jsonl.zst")]))
+    with pytest.raises(readers.CorpusError, match=r"bad\.jsonl\.zst:3: malformed JSON line"):
+        list(readers.iter_documents([str(tmp_path / "bad.jsonl.zst")]))
     (tmp_path / "cut.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
-    with pytest.raises(tk.CorpusError, match=r"cut\.jsonl\.zst: cannot read"):
-        list(tk.iter_documents([str(tmp_path / "cut.jsonl.zst")]))
+    with pytest.raises(readers.CorpusError, match=r"cut\.jsonl\.zst: cannot read"):
+        list(readers.iter_documents([str(tmp_path / "cut.jsonl.zst")]))
 
 
 # ---------------------------------------------------------------- the command line

@@ -18,6 +18,7 @@ import pytest
 from conftest import BUCKET, ROLE  # the mocked account conftest's aws fixture sets up
 
 from minilm_az import config as C
+from minilm_az.launch import flags
 
 STAGES = [
     ("tokenize", "clean"),
@@ -34,7 +35,7 @@ TEXT = "Salam, dünya: 'x' \"y\""  # spaces, quotes, a colon and non-ASCII survi
 
 def other_value(f: dataclasses.Field, text: str = TEXT):
     """A value for `f` that is not its default, within its choices and bounds (`text` for a string)."""
-    if C.is_bool(f):
+    if flags.is_bool(f):
         return not f.default
     if "choices" in f.metadata:
         return next(c for c in f.metadata["choices"] if c != f.default)
@@ -56,11 +57,11 @@ def launcher_argv(stage: str, command: str | None, cls, text: str = TEXT) -> tup
     """The launcher command line setting every field, and what each field must arrive as."""
     argv = [stage] + ([command] if command else []) + (["--phase", "1"] if stage == "train" else [])
     want = {}
-    for ch, fname in C.channels(cls).items():
-        argv += [C.flag(fname), f"s3://bucket/in/{ch}/"]
+    for ch, fname in flags.channels(cls).items():
+        argv += [flags.flag(fname), f"s3://bucket/in/{ch}/"]
         f = next(x for x in dataclasses.fields(cls) if x.name == fname)
         want[fname] = [f"{C.CONTAINER_INPUT}/{ch}"] if f.metadata.get("nargs") else f"{C.CONTAINER_INPUT}/{ch}"
-    for fname, path in C.container_paths(cls).items():
+    for fname, path in flags.container_paths(cls).items():
         want[fname] = path
     for f in dataclasses.fields(cls):
         if f.name in want or (stage == "train" and f.name == "phase"):
@@ -68,9 +69,9 @@ def launcher_argv(stage: str, command: str | None, cls, text: str = TEXT) -> tup
         v = other_value(f, text)
         want[f.name] = v
         if isinstance(v, bool):
-            argv.append(C.flag(f.name) if v else "--no-" + C.flag(f.name)[2:])
+            argv.append(flags.flag(f.name) if v else "--no-" + flags.flag(f.name)[2:])
         else:
-            argv += [C.flag(f.name), v[0] if isinstance(v, list) else str(v)]
+            argv += [flags.flag(f.name), v[0] if isinstance(v, list) else str(v)]
     if stage == "train":
         want["phase"] = 1
     return argv + ["--role", ROLE, "--bucket", BUCKET], want
@@ -97,7 +98,7 @@ def test_every_config_field_survives_launcher_toolkit_and_script_parser(
     tmp_path,
     monkeypatch,
 ):
-    from minilm_az import sagemaker as sm
+    from minilm_az.launch import sagemaker as sm
 
     cls = sm.STAGES[stage].configs[command]
     argv, want = launcher_argv(stage, command, cls)
@@ -112,7 +113,7 @@ def test_every_config_field_survives_launcher_toolkit_and_script_parser(
     assert not [a for a in args if a.startswith("-") and not a.startswith("--")], "a one-dash flag would be refused"
     for k in [k for k in os.environ if k.startswith("SM_")]:
         monkeypatch.delenv(k)
-    cfg = C.parse_config(cls, C.make_parser(cls, sm.STAGES[stage].script, "x\n\ny"), args)
+    cfg = flags.parse_config(cls, flags.make_parser(cls, sm.STAGES[stage].script, "x\n\ny"), args)
     got = dataclasses.asdict(cfg)
     assert {k: got[k] for k in want} == want
     assert set(want) == {f.name for f in dataclasses.fields(cls)}  # every field was exercised
@@ -120,10 +121,12 @@ def test_every_config_field_survives_launcher_toolkit_and_script_parser(
 
 def test_false_booleans_and_sagemaker_spellings_parse_alike():
     for spelling in (["--merge", "false"], ["--merge", "False"], ["--merge=false"], ["--no-merge"]):
-        cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), ["--merge"] + spelling)
+        cfg = flags.parse_config(
+            C.FinetuneConfig, flags.make_parser(C.FinetuneConfig, "f", "x"), ["--merge"] + spelling
+        )
         assert cfg.merge is False, spelling
     for spelling in (["--merge"], ["--merge", "true"], ["--merge", "True"], ["--merge=1"]):
-        cfg = C.parse_config(C.FinetuneConfig, C.make_parser(C.FinetuneConfig, "f", "x"), spelling)
+        cfg = flags.parse_config(C.FinetuneConfig, flags.make_parser(C.FinetuneConfig, "f", "x"), spelling)
         assert cfg.merge is True, spelling
 
 
@@ -140,7 +143,7 @@ def test_false_booleans_and_sagemaker_spellings_parse_alike():
     ],
 )
 def test_a_flag_the_script_would_refuse_is_refused_at_launch(argv, msg, capsys):
-    from minilm_az import sagemaker as sm
+    from minilm_az.launch import sagemaker as sm
 
     with pytest.raises(SystemExit) as e:
         sm.parse_args(argv)

@@ -21,7 +21,7 @@ from minilm_az.tokenizer import PAD, copy_tokenizer_files, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "data/chat/az_chat.jsonl")
-CPU = parallel.Dist(0, 1, 0, torch.device("cpu"))
+CPU = parallel.Process(0, 1, 0, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +207,6 @@ def test_finetune_on_one_gpu_has_no_fsdp_and_follows_the_cpu_run(base, tmp_path)
     assert weights and {w.dtype for w in weights.values()} == {torch.float32}
 
     fc = FinetuneConfig(model=base, lora_r=4, lora_dropout=0.05, device="cuda", compile=False, micro_batch=2)
-    model = finetune.build(fc, parallel.Dist(0, 1, 0, torch.device("cuda")), MetricLogger(None))
+    model = finetune.build(fc, parallel.Process(0, 1, 0, torch.device("cuda")), MetricLogger(None))
     kinds = {("lora" if "lora_" in n else "base", p.dtype, type(p.data).__name__) for n, p in model.named_parameters()}
     assert kinds == {("lora", torch.float32, "Tensor"), ("base", torch.bfloat16, "Tensor")}

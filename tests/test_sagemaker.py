@@ -18,7 +18,7 @@ import tarfile
 import pytest
 from conftest import BUCKET, ROLE  # the mocked account the aws fixture sets up
 
-from minilm_az import sagemaker as sm
+from minilm_az.launch import sagemaker as sm
 from minilm_az.logs import format_line
 
 ROOT = sm.PROJECT_ROOT
@@ -347,12 +347,12 @@ def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, proje
         "requirements.txt",
         "setup.cfg",
         "minilm_az/logs.py",
-        "minilm_az/sagemaker.py",
+        "minilm_az/launch/sagemaker.py",
     } <= names
     assert not any(n.startswith(("runs", "tests", ".git")) or "__pycache__" in n for n in names)
     reqs = uploaded_source(aws, launched.request).extractfile("requirements.txt").read().decode()
     lines = [ln.split("#")[0].strip() for ln in reqs.splitlines()]
-    assert "." in lines and any(ln.startswith("liger-kernel") for ln in lines)
+    assert ".[prep]" in lines and any(ln.startswith("liger-kernel") for ln in lines)
     assert not any(re.match(r"torch\s*([<>=~!;#]|$)", ln) for ln in lines)  # the image's torch stays (torchao may)
 
 
@@ -561,11 +561,12 @@ def test_metric_regexes_match_real_train_output(train_log):
 
 def test_train_paths_default_to_the_container_dirs_inside_sagemaker(monkeypatch):
     from minilm_az import config as C
+    from minilm_az.launch import flags
 
     monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
     monkeypatch.setenv("SM_CHANNEL_DATA", "/opt/ml/input/data/data")
     monkeypatch.setenv("SM_CHANNEL_BASE_MODEL", "/opt/ml/input/data/base_model")
-    cfg = C.parse_config(C.TrainConfig, C.make_parser(C.TrainConfig, "train.py", "x"), ["--phase", "2"])
+    cfg = flags.parse_config(C.TrainConfig, flags.make_parser(C.TrainConfig, "train.py", "x"), ["--phase", "2"])
     assert (cfg.checkpoint_dir, cfg.out, cfg.data, cfg.base_model) == (
         sm.CHECKPOINT_LOCAL_PATH,
         "/opt/ml/model",

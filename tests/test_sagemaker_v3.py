@@ -23,8 +23,8 @@ import sm_container as smc
 from conftest import BUCKET, ROLE
 from test_contract import STAGES, launcher_argv
 
-from minilm_az import config as C
-from minilm_az import sagemaker as sm
+from minilm_az.launch import flags
+from minilm_az.launch import sagemaker as sm
 
 ROOT = sm.PROJECT_ROOT
 pytestmark = pytest.mark.sdk3  # conftest's aws fixture skips these unless 3.x is installed
@@ -110,7 +110,7 @@ def test_every_config_field_survives_the_v3_drivers_and_the_script_parser(stage,
         script, args = sm.entry_argv(args)
         assert (script, args[0]) == ("tokenize.py", command)
         args = args[1:]
-    cfg = C.parse_config(cls, C.make_parser(cls, sm.STAGES[stage].script, "x\n\ny"), args)
+    cfg = flags.parse_config(cls, flags.make_parser(cls, sm.STAGES[stage].script, "x\n\ny"), args)
     got = dataclasses.asdict(cfg)
     assert {k: got[k] for k in want} == want
     assert set(want) == {f.name for f in dataclasses.fields(cls)}
@@ -169,7 +169,7 @@ def job_view(request: dict, distribution: str | None) -> dict:
         _, argv = sm.entry_argv(argv)
         command, argv = argv[0], argv[1:]
     cls = stage.configs[command]
-    parsed = dataclasses.asdict(C.parse_config(cls, C.make_parser(cls, stage.script, "x"), argv))
+    parsed = dataclasses.asdict(flags.parse_config(cls, flags.make_parser(cls, stage.script, "x"), argv))
     ckpt = request.get("CheckpointConfig")
     return {
         "image": alg["TrainingImage"],

@@ -10,6 +10,7 @@ import pytest
 
 from minilm_az import shards
 from minilm_az import tokenizer as tk
+from minilm_az.prep import readers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = [os.path.join(ROOT, "data", "az", f) for f in ("mediawiki.txt", "kde.txt", "django.txt", "firefox.txt")]
@@ -17,12 +18,12 @@ DEMO = [os.path.join(ROOT, "data", "az", f) for f in ("mediawiki.txt", "kde.txt"
 
 @pytest.fixture(scope="module")
 def tok():
-    return tk.train_tokenizer(tk.iter_documents(DEMO[:1]), vocab_size=600, progress=False)
+    return tk.train_tokenizer(readers.iter_documents(DEMO[:1]), vocab_size=600, progress=False)
 
 
 @pytest.fixture(scope="module")
 def docs():
-    texts = list(tk.iter_documents(DEMO))
+    texts = list(readers.iter_documents(DEMO))
     # a literal special token, an NFD document and a duplicate: all must come back as text
     return texts + [f"Mətn {tk.EOS} və {tk.EOT} içində", unicodedata.normalize("NFD", "Şəki İsmayıllı"), texts[0]]
 
@@ -161,8 +162,8 @@ def test_writer_refuses_a_non_empty_directory_and_reading_errors_surface(tok, tm
         write(tok, tmp_path / "full", ["a"])
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok\n\xc3(\n")
-    with pytest.raises(tk.CorpusError, match=r"bad\.txt: not valid UTF-8 at byte offset 3"):
-        write(tok, tmp_path / "out", tk.iter_documents([str(bad)]))
+    with pytest.raises(readers.CorpusError, match=r"bad\.txt: not valid UTF-8 at byte offset 3"):
+        write(tok, tmp_path / "out", readers.iter_documents([str(bad)]))
 
 
 def test_check_tokenizer_rejects_shards_of_another_tokenizer(shard_dir):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from minilm_az import sagemaker as sm
+from minilm_az.launch import sagemaker as sm
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # pytest's rootdir-relative import puts it there
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -9,6 +9,7 @@ import unicodedata
 import pytest
 
 from minilm_az import tokenizer as tk
+from minilm_az.prep import readers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = [os.path.join(ROOT, "data", "az", f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
@@ -27,7 +28,7 @@ AZ_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    return tk.train_tokenizer(tk.iter_documents(DEMO_TRAIN), vocab_size=1000, progress=False)
+    return tk.train_tokenizer(readers.iter_documents(DEMO_TRAIN), vocab_size=1000, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +200,9 @@ def test_vocab_smaller_than_bytes_plus_specials_is_rejected():
 
 def test_empty_corpus_is_rejected(tmp_path):
     (tmp_path / "empty.txt").write_text("\n  \n\n")
-    with pytest.raises(tk.CorpusError, match="corpus is empty.*empty.txt"):
-        tk.train_tokenizer(tk.iter_documents([str(tmp_path / "empty.txt")]), 1000, progress=False)
-    with pytest.raises(tk.CorpusError, match="corpus is empty"):
+    with pytest.raises(readers.CorpusError, match="corpus is empty.*empty.txt"):
+        tk.train_tokenizer(readers.iter_documents([str(tmp_path / "empty.txt")]), 1000, progress=False)
+    with pytest.raises(ValueError, match="corpus is empty"):
         tk.train_tokenizer([], 1000, progress=False)
 
 
@@ -209,7 +210,7 @@ def test_empty_corpus_is_rejected(tmp_path):
 
 
 def docs(paths, **kw):
-    return list(tk.iter_documents(tk.corpus_files(paths), **kw))
+    return list(readers.iter_documents(readers.corpus_files(paths), **kw))
 
 
 def test_txt_is_a_document_a_line_or_blank_separated(tmp_path):
@@ -229,9 +230,9 @@ def test_jsonl_and_gz_and_directories(tmp_path):
     (tmp_path / "a.txt").write_text("birinci\n")
     (tmp_path / "README.md").write_text("not corpus\n")
     (tmp_path / "build.py").write_text("print()\n")
-    files = tk.corpus_files([str(tmp_path)])
+    files = readers.corpus_files([str(tmp_path)])
     assert [os.path.relpath(f, tmp_path) for f in files] == ["a.txt", "b.jsonl", "sub/c.txt.gz", "sub/d.jsonl.gz"]
-    with pytest.raises(tk.CorpusError, match=r"d\.jsonl\.gz:1: expected an object with a string 'text' field"):
+    with pytest.raises(readers.CorpusError, match=r"d\.jsonl\.gz:1: expected an object with a string 'text' field"):
         docs([str(tmp_path)])
     assert docs(files[:3]) == ["birinci", "ikinci", "üçüncü", "dördüncü", "beşinci"]
     assert docs(files[3:], text_field="body") == ["altıncı"]
@@ -242,33 +243,33 @@ def test_non_utf8_names_file_and_byte_offset(tmp_path):
     raw = "sağ\n".encode() + b"sol \xff\n"
     p.write_bytes(raw)
     at = raw.index(b"\xff")
-    with pytest.raises(tk.CorpusError, match=rf"bad\.txt: not valid UTF-8 at byte offset {at} \(line 2\)"):
+    with pytest.raises(readers.CorpusError, match=rf"bad\.txt: not valid UTF-8 at byte offset {at} \(line 2\)"):
         docs([str(p)])
     assert docs([str(p)], errors="replace") == ["sağ", "sol \ufffd"]
     g = tmp_path / "bad.txt.gz"
     g.write_bytes(gzip.compress(raw))
-    with pytest.raises(tk.CorpusError, match=rf"bad\.txt\.gz: not valid UTF-8 at byte offset {at}"):
+    with pytest.raises(readers.CorpusError, match=rf"bad\.txt\.gz: not valid UTF-8 at byte offset {at}"):
         docs([str(g)])
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"text": "yaxşı"}\n{"text": "pis"\n')
-    with pytest.raises(tk.CorpusError, match=r"x\.jsonl:2: malformed JSON line"):
+    with pytest.raises(readers.CorpusError, match=r"x\.jsonl:2: malformed JSON line"):
         docs([str(p)])
     p.write_text('{"text": 5}\n')
-    with pytest.raises(tk.CorpusError, match=r"x\.jsonl:1: .*'text' field \(got int\)"):
+    with pytest.raises(readers.CorpusError, match=r"x\.jsonl:1: .*'text' field \(got int\)"):
         docs([str(p)])
 
 
 def test_missing_path_unsupported_file_and_empty_directory(tmp_path):
-    with pytest.raises(tk.CorpusError, match="corpus path not found: .*nope"):
-        tk.corpus_files([str(tmp_path / "nope")])
+    with pytest.raises(readers.CorpusError, match="corpus path not found: .*nope"):
+        readers.corpus_files([str(tmp_path / "nope")])
     (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(tk.CorpusError, match=r"x\.csv: unsupported corpus file"):
-        tk.corpus_files([str(tmp_path / "x.csv")])
-    with pytest.raises(tk.CorpusError, match="no corpus files"):
-        tk.corpus_files([str(tmp_path)])
+    with pytest.raises(readers.CorpusError, match=r"x\.csv: unsupported corpus file"):
+        readers.corpus_files([str(tmp_path / "x.csv")])
+    with pytest.raises(readers.CorpusError, match="no corpus files"):
+        readers.corpus_files([str(tmp_path)])
 
 
 # --- fertility ----------------------------------------------------------------------------------------

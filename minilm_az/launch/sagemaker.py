@@ -1,6 +1,6 @@
 """Launch tokenize.py, train.py or finetune.py as a SageMaker training job, one command from a laptop.
 
-    python -m minilm_az.sagemaker train --phase 2 --instance-type ml.p5.48xlarge --instance-count 2 \\
+    python -m minilm_az.launch.sagemaker train --phase 2 --instance-type ml.p5.48xlarge --instance-count 2 \\
         --spot --data s3://b/shards/ --base-model s3://b/phase1/model/ --tokenizer s3://b/tok/ --steps 20000
 
 Launcher flags (below) pick the machines and the S3 inputs; every other `--flag value` becomes a
@@ -35,8 +35,9 @@ from typing import Any
 from minilm_az import config as C
 from minilm_az.config import CONTAINER_CHECKPOINTS as CHECKPOINT_LOCAL_PATH
 from minilm_az.config import CONTAINER_INPUT
+from minilm_az.launch import flags
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS_FILE = "requirements-sagemaker.txt"  # uploaded as requirements.txt, the only name the container installs
 ENTRY_WRAPPER = "sm_entry.py"  # root file: runs a script whose first argument is a subcommand
 FRAMEWORK_VERSION = "2.8.0"  # newest PyTorch training image either SDK line lists (and 2.x accepts for torchrun)
@@ -98,7 +99,7 @@ class Stage:
 
     def channels(self) -> dict[str, str]:
         """channel -> the field it feeds, over all subcommands."""
-        return {ch: f for cls in self.configs.values() for ch, f in C.channels(cls).items()}
+        return {ch: f for cls in self.configs.values() for ch, f in flags.channels(cls).items()}
 
 
 STAGES = {
@@ -187,8 +188,8 @@ def _env_pair(value: str) -> tuple[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argparse tree: one subcommand per stage, each with the common flags."""
-    p = C.Parser(  # one-line errors, like the scripts'
-        prog="python -m minilm_az.sagemaker",
+    p = flags.Parser(  # one-line errors, like the scripts'
+        prog="python -m minilm_az.launch.sagemaker",
         allow_abbrev=False,
         description="Launch a minilm-az stage as a SageMaker training job. Flags not listed here are "
         "passed to the script as hyperparameters (--steps 1000 -> train.py --steps 1000).",
@@ -208,12 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         g = sp.add_argument_group("inputs (S3 prefixes, mounted as channels)")
         for ch, fname in stage.channels().items():
             g.add_argument(
-                C.flag(fname),
+                flags.flag(fname),
                 dest=f"ch_{ch}",
                 type=_s3_uri,
                 metavar="S3_URI",
                 required=ch in stage.required,
-                help=f"channel {ch!r}, passed as {C.flag(fname)} {CONTAINER_INPUT}/{ch}",
+                help=f"channel {ch!r}, passed as {flags.flag(fname)} {CONTAINER_INPUT}/{ch}",
             )
         a = sp.add_argument_group("AWS")
         a.add_argument("--role", help="execution role ARN (default: the SageMaker SDK config file)")
@@ -316,13 +317,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"job independently on every instance"
         )
     cls = stage_config(args)
-    takes = C.channels(cls)
+    takes = flags.channels(cls)
     for ch, fname in STAGES[args.stage].channels().items():
         if getattr(args, f"ch_{ch}") and ch not in takes:
-            parser.error(f"{args.stage} {getattr(args, 'command', '')} takes no {C.flag(fname)}")
+            parser.error(f"{args.stage} {getattr(args, 'command', '')} takes no {flags.flag(fname)}")
     if args.stage == "tokenize" and "tokenizer" in takes and not args.ch_tokenizer:
         parser.error(f"tokenize {args.command} needs --tokenizer S3_URI")
-    fixed = set(C.container_paths(cls)) | {f for f in takes.values()}
+    fixed = set(flags.container_paths(cls)) | {f for f in takes.values()}
     for key in args.hyperparameters:
         if key.replace("-", "_") in fixed:
             parser.error(
@@ -330,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"input flag instead"
             )
     try:  # the script's own parser, here on the laptop: a typo must not cost an instance start-up
-        C.check_args(cls, container_args({k: json.dumps(v) for k, v in args.hyperparameters.items()}))
+        flags.check_args(cls, container_args({k: json.dumps(v) for k, v in args.hyperparameters.items()}))
     except ValueError as e:
         parser.error(f"{STAGES[args.stage].script}: {e}")
     installed = installed_sdk()
@@ -414,10 +415,10 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     else:
         base = "minilm-az-finetune"
     # The whole contract is on the command line: every mounted channel and every output as an explicit path.
-    for ch, fname in C.channels(cls).items():
+    for ch, fname in flags.channels(cls).items():
         if getattr(args, f"ch_{ch}"):
             hps[fname.replace("_", "-")] = f"{CONTAINER_INPUT}/{ch}"
-    for fname, path in C.container_paths(cls).items():
+    for fname, path in flags.container_paths(cls).items():
         if path != CHECKPOINT_LOCAL_PATH or stage.checkpoints or args.checkpoint_s3:
             hps[fname.replace("_", "-")] = path
     hps.update(args.hyperparameters)
@@ -819,13 +820,13 @@ def container_command(plan: JobPlan, hyperparameters: dict[str, str], sdk: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minilm_az.sagemaker STAGE ...`: launch the job and print where things go."""
+    """`python -m minilm_az.launch.sagemaker STAGE ...`: launch the job and print where things go."""
     args = parse_args(argv)
     try:
         launched = launch(args)
     except Exception as e:  # botocore/SDK errors (bad region, role, credentials) are one line here, not 190
         print(
-            f"python -m minilm_az.sagemaker: error: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
+            f"python -m minilm_az.launch.sagemaker: error: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
             file=sys.stderr,
         )
         return 2
