@@ -7,31 +7,17 @@
 
 Without --corpus the demo corpus in data/az/ is used: clean all four files, train on mediawiki + kde +
 django, report on firefox (held out), encode the three with firefox as the val split.
-
-The pipeline requires this file's name, which is also the standard library's `tokenize` (imported
-by linecache and inspect, hence by torch and pytest). Whenever the root is on sys.path, `import
-tokenize` finds this file first, so when imported under that name it loads the real module and
-leaves that in sys.modules, which is what the importer hands back. The script is the other branch.
 """
 
 from __future__ import annotations
 
-# Only these imports are safe in both branches below; module-level code outside the `else` uses only them.
 import os
 import sys
 
-if __name__ == "tokenize":
-    import importlib.machinery
-    import importlib.util
+if __name__ == "tokenize":  # Python is importing this file as its standard `tokenize`: see launch/stdlib_tokenize.py.
+    from minilm_az.launch.stdlib_tokenize import become_stdlib_tokenize
 
-    _here = os.path.dirname(os.path.realpath(__file__))
-    _path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _here]
-    _spec = importlib.machinery.PathFinder.find_spec("tokenize", _path)
-    if _spec is None:
-        raise ImportError("cannot find the standard-library tokenize module behind tokenize.py")
-    _stdlib = importlib.util.module_from_spec(_spec)
-    sys.modules["tokenize"] = _stdlib
-    _spec.loader.exec_module(_stdlib)
+    become_stdlib_tokenize(__file__)
 else:
     import dataclasses
     import functools

@@ -1,7 +1,7 @@
 """Deterministic training batches over token shards.
 
-The sequences of optimizer step `s` are a pure function of (seed, s): `global_batch` random windows
-of `seq_len + 1` tokens. Rank r of W takes its contiguous slice of them and walks it in micro-batches.
+The sequences of optimizer step `s` depend only on (seed, s): `global_batch` random windows of
+`seq_len + 1` tokens. Rank r of W takes its contiguous slice of them and walks it in micro-batches.
 So a resumed run sees exactly the batches it would have seen, and any number of processes
 (with gradient accumulation making up the rest) trains on the same sequences at every step.
 """
@@ -15,6 +15,8 @@ from minilm_az.shards import TokenStream
 
 
 class BatchStream:
+    """The (inputs, targets) micro-batches of each optimizer step, for one rank."""
+
     def __init__(
         self,
         stream: TokenStream,
@@ -50,9 +52,9 @@ class BatchStream:
         per_rank = self.global_batch // self.world_size
         mine = self.step_offsets(step)[self.rank * per_rank : (self.rank + 1) * per_rank]
         for i in range(self.accum_steps):
-            chunk = mine[i * self.micro_batch : (i + 1) * self.micro_batch]
-            rows = [self.stream.get(int(o), self.seq_len + 1) for o in chunk]
-            w = torch.from_numpy(np.stack(rows))
+            offsets = mine[i * self.micro_batch : (i + 1) * self.micro_batch]
+            rows = [self.stream.get(int(offset), self.seq_len + 1) for offset in offsets]
+            windows = torch.from_numpy(np.stack(rows))
             if torch.device(device).type == "cuda":
-                w = w.pin_memory().to(device, non_blocking=True)
-            yield w[:, :-1], w[:, 1:]
+                windows = windows.pin_memory().to(device, non_blocking=True)
+            yield windows[:, :-1], windows[:, 1:]  # the target of each token is the token after it

@@ -43,40 +43,44 @@ def eta(done: int, total: int, elapsed_s: float) -> str:
     """Remaining time as h:mm:ss from the mean rate so far."""
     if done <= 0 or total <= done:
         return "0:00:00"
-    left = elapsed_s / done * (total - done)
-    h, rem = divmod(int(left), 3600)
+    left_s = elapsed_s / done * (total - done)
+    h, rem = divmod(int(left_s), 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
 
 
 class Progress:
-    """When a training loop prints its line: after the first step, every `every` steps, at the last, and at
-    least every `seconds` of wall time; `flush` gives the window's mean values, steps/s and the ETA."""
+    """Decides when a training loop prints its line: after the first step, every `every` steps, at the
+    last step, and at least every `seconds`. `flush` gives the window's mean values, steps/s and the ETA."""
 
     def __init__(self, total: int, start: int = 0, every: int = 10, seconds: float = 30.0):
         self.total, self.start, self.every, self.seconds = total, start, every, seconds
-        self.busy, self.window, self.n, self.sums = 0.0, 0.0, 0, {}
+        self.busy = 0.0  # seconds spent in steps since `start`, for the ETA
+        self.window = 0.0  # the same, since the last flush
+        self.steps = 0  # steps since the last flush
+        self.sums: dict[str, float] = {}
         self.last = time.monotonic()
 
     def add(self, seconds: float, **values: float) -> None:
-        """One step: its time (evals and checkpoints left out) and the values to average over the window."""
-        self.busy, self.window, self.n = self.busy + seconds, self.window + seconds, self.n + 1
+        """Record one step: its time (evals and checkpoints left out) and the values to average."""
+        self.busy += seconds
+        self.window += seconds
+        self.steps += 1
         for k, v in values.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def due(self, done: int) -> bool:
-        return (
-            done == self.start + 1
-            or done % self.every == 0
-            or done == self.total
-            or time.monotonic() - self.last >= self.seconds
-        )
+        by_step = done == self.start + 1 or done % self.every == 0 or done == self.total
+        return by_step or time.monotonic() - self.last >= self.seconds
 
     def flush(self, done: int) -> dict[str, Any]:
-        out = {k: v / max(self.n, 1) for k, v in self.sums.items()}
-        out["steps_per_s"] = self.n / max(self.window, 1e-9)
+        out = {k: v / max(self.steps, 1) for k, v in self.sums.items()}
+        out["steps_per_s"] = self.steps / max(self.window, 1e-9)
         out["eta"] = eta(done - self.start, self.total - self.start, self.busy)
-        self.window, self.n, self.sums, self.last = 0.0, 0, {}, time.monotonic()
+        self.window = 0.0
+        self.steps = 0
+        self.sums = {}
+        self.last = time.monotonic()
         return out
 
 
@@ -89,17 +93,15 @@ def throughput(tokens_per_s: float, world: int, flops_per_token: float, device) 
 
     mfu = None
     if device.type == "cuda":
-        peak, mfu = (
-            torch.cuda.max_memory_allocated() / 2**30,
-            round(100 * flops_per_token * tokens_per_s / world / PEAK_FLOPS, 2),
-        )
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        mfu = round(100 * flops_per_token * tokens_per_s / world / PEAK_FLOPS, 2)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     return {
         "tokens_per_s": round(tokens_per_s),
         "tokens_per_s_per_gpu": round(tokens_per_s / world, 1),
         "mfu": mfu,
-        "peak_mem_gib": round(peak, 2),
+        "peak_mem_gib": round(peak_gib, 2),
     }
 
 
@@ -117,16 +119,13 @@ def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
 
 
 def print_error(prog: str, error: BaseException) -> None:
-    """`prog: error: message` on stderr, once: under torchrun only rank 0 prints."""
+    """Print `prog: error: message` on stderr. Under torchrun only rank 0 prints, so it appears once."""
     if os.environ.get("RANK", "0") in ("", "0"):
         print(f"{prog}: error: {error}", file=sys.stderr)
 
 
 class MetricLogger:
-    """Prints key=value lines (rank 0 only) and appends the same records to `metrics.jsonl`.
-
-    The jsonl file is opened in append mode so a resumed run continues the same file.
-    """
+    """Prints key=value lines (rank 0 only) and appends them to `metrics.jsonl`, which a resume extends."""
 
     def __init__(self, jsonl_path: str | None, enabled: bool = True, stream: TextIO | None = None):
         self.enabled = enabled

@@ -38,7 +38,7 @@ STAGING_PREFIX = ".staging-"
 
 
 def _fsync(path: str) -> None:
-    # A file or a directory: a rename survives a power cut only once its directory is synced too.
+    # Also used on directories, because a rename survives a power cut only once its directory is synced.
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -47,13 +47,13 @@ def _fsync(path: str) -> None:
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    mask = os.umask(0)  # the only way to read the umask is to set it, so set it back at once
     os.umask(mask)
     return mask
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write `path` so a reader sees the old file or the whole new one: temp file beside it, fsync, rename."""
+    """Write `path` so a reader sees the old file or the whole new one (temp file, fsync, rename)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
@@ -80,15 +80,15 @@ def atomic_write_json(path: str, obj, indent: int | None = 2) -> None:
 
 
 def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: str, error: type[Exception] = ValueError) -> dict:
-    """The JSON object in `path`; anything else (bad JSON, bad UTF-8, a list) is `error`, naming the file."""
+    """The JSON object in `path`. Anything else (bad JSON, bad UTF-8, a list) raises `error` with the path."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -134,7 +134,7 @@ def written_by(out_dir: str, stage: str | None = None) -> dict | None:
 
 
 def _safe_relpath(rel: str) -> bool:
-    # A marker is data on disk: never let one name a file outside its directory.
+    # A marker is data on disk, so it must never name a file outside its directory.
     return bool(rel) and not os.path.isabs(rel) and ".." not in rel.split("/")
 
 
@@ -157,7 +157,7 @@ def _remove_files(out_dir: str, files: Iterable[str]) -> list[str]:
 
 
 def check_writable(path: str, flag: str) -> None:
-    """Found now, not at the first checkpoint hours in: can this directory be written?"""
+    """Raise OSError, naming `flag`, if `path` cannot be written. Call it before hours of training."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write-test-{os.getpid()}")
@@ -172,7 +172,7 @@ def check_writable(path: str, flag: str) -> None:
 
 
 def _remove_leftover_staging(out_dir: str) -> None:
-    # A process killed inside staged_output leaves its staging dir; nothing else ever writes these names.
+    # A process killed inside staged_output leaves its staging dir behind. Nothing else uses these names.
     if os.path.isdir(out_dir):
         for name in os.listdir(out_dir):
             if name.startswith(STAGING_PREFIX):
@@ -180,7 +180,7 @@ def _remove_leftover_staging(out_dir: str) -> None:
 
 
 def _staged_files(stage_dir: str) -> list[str]:
-    """Relative paths ('/'-separated) of the files under stage_dir; data first, the .json descriptors last.
+    """The '/'-separated relative paths of the files under stage_dir, data first and .json files last.
 
     Files are moved in this order, so a descriptor (config.json, index.json, adapter_config.json) that
     names data files only appears once they are in place.
@@ -193,18 +193,18 @@ def _staged_files(stage_dir: str) -> list[str]:
 
 
 def _check_no_conflicts(out_dir: str, files: list[str]) -> None:
-    # Checked before anything moves: a failure halfway through the moves would leave a mixed directory.
+    # Check before anything moves, because a failure halfway through would leave a mixed directory.
     for rel in files:
         if rel == MARKER:
             raise ValueError(f"staged_output: a stage may not write the marker file {MARKER} itself")
-        if os.path.isdir(os.path.join(out_dir, rel)):
-            raise IsADirectoryError(f"{os.path.join(out_dir, rel)} is a directory; the new output has a file there")
+        target = os.path.join(out_dir, rel)
+        if os.path.isdir(target):
+            raise IsADirectoryError(f"{target} is a directory; the new output has a file there")
         parent = os.path.dirname(rel)
         while parent:
-            if os.path.exists(os.path.join(out_dir, parent)) and not os.path.isdir(os.path.join(out_dir, parent)):
-                raise NotADirectoryError(
-                    f"{os.path.join(out_dir, parent)} is a file; the new output has a directory there"
-                )
+            path = os.path.join(out_dir, parent)
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise NotADirectoryError(f"{path} is a file; the new output has a directory there")
             parent = os.path.dirname(parent)
 
 
@@ -246,7 +246,7 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
         _commit(out_dir, stage_dir, files, stage, replaces)
     except BaseException:
         shutil.rmtree(stage_dir, ignore_errors=True)
-        if created and not os.listdir(out_dir):  # a failed first write leaves nothing behind (we made this dir)
+        if created and not os.listdir(out_dir):  # we made out_dir, so a failed first write removes it
             os.rmdir(out_dir)
         raise
     finally:
@@ -257,11 +257,11 @@ def _commit(out_dir: str, stage_dir: str, files: list[str], stage: str, replaces
     records = _read_marker(out_dir)
     previous = [f for r in records if r.get("stage") == stage for f in r["files"]]
     others = [r for r in records if r.get("stage") != stage]
-    for r in others:  # a file this output now owns is no longer another stage's to remove
-        r["files"] = [f for f in r["files"] if f not in files]
+    for record in others:  # a file this output now owns is no longer another stage's to remove
+        record["files"] = [f for f in record["files"] if f not in files]
     stale = [f for f in dict.fromkeys([*previous, *replaces]) if f not in files]
-    # Until the moves are done the record lists old and new files and says incomplete: a process killed
-    # halfway leaves a directory a reader can recognise.
+    # Until the moves are done, the record lists the old and new files and says it is incomplete.
+    # So a process killed halfway leaves a directory that a reader can recognise.
     pending = {"stage": stage, "files": sorted(set(files) | set(previous)), "time": _now(), "complete": False}
     _write_marker(out_dir, [*others, pending])
     _move_in(stage_dir, out_dir, files)

@@ -111,8 +111,8 @@ class ShardWriter:
 
     def close(self) -> dict:
         """Close the shard files and write index.json (last, so its presence means complete)."""
-        for f in self._files.values():
-            f.close()
+        for file in self._files.values():
+            file.close()
         self._files.clear()
         atomic_write_json(os.path.join(self.out_dir, "index.json"), self.index)
         return self.index
@@ -148,68 +148,70 @@ def write_shards(
         tagged = itertools.chain((("train", d) for d in documents), (("val", d) for d in val_documents))
     writer = ShardWriter(out_dir, vocab_size, eos_id, tokenizer_hash, shard_tokens, meta)
     for split, texts, nbytes in _prefetch(_batches(tagged, val_fraction, batch_bytes)):
-        ids = encode(texts)
-        for x in ids:
-            x.append(eos_id)
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=writer.dtype, count=sum(map(len, ids)))
+        encoded = encode(texts)
+        for doc_ids in encoded:
+            doc_ids.append(eos_id)
+        count = sum(len(doc_ids) for doc_ids in encoded)
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=writer.dtype, count=count)
         writer.add(split, flat, len(texts), nbytes)
     return writer.close()
 
 
 def _batches(tagged: Iterable[tuple[str | None, str]], val_fraction: float, batch_bytes: int):
-    """Group NFC documents by split into batches of about `batch_bytes`: (split, texts, utf8_bytes)."""
-    pending: dict[str, tuple[list[str], list[int]]] = {s: ([], [0]) for s in SPLITS}
+    """Yield (split, texts, utf8_bytes) batches of NFC documents, about `batch_bytes` of text each."""
+    texts: dict[str, list[str]] = {split: [] for split in SPLITS}
+    nbytes = dict.fromkeys(SPLITS, 0)
     for split, text in tagged:
         text = unicodedata.normalize("NFC", text)
         split = split or split_of(text, val_fraction)
-        texts, size = pending[split]
-        texts.append(text)
-        size[0] += len(text.encode("utf-8"))
-        if size[0] >= batch_bytes:
-            yield split, texts, size[0]
-            pending[split] = ([], [0])
-    for split, (texts, size) in pending.items():
-        if texts:
-            yield split, texts, size[0]
+        texts[split].append(text)
+        nbytes[split] += len(text.encode("utf-8"))
+        if nbytes[split] >= batch_bytes:
+            yield split, texts[split], nbytes[split]
+            texts[split] = []
+            nbytes[split] = 0
+    for split in SPLITS:
+        if texts[split]:
+            yield split, texts[split], nbytes[split]
 
 
 def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
-    """Run a generator in a background thread, `depth` items ahead (its errors re-raised here)."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
+    """Run a generator in a background thread, `depth` items ahead. Its errors are raised here."""
+    ahead: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
     stop = threading.Event()
 
     def put(item) -> bool:
         while not stop.is_set():
             try:
-                q.put(item, timeout=0.1)
+                ahead.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
-        return False  # the consumer has gone
+        return False  # the consumer has stopped reading
 
     def work():
         try:
-            for x in items:
-                if not put((None, x)):
+            for item in items:
+                if not put((None, item)):
                     return
             put((None, done))
-        except BaseException as e:  # handed to the consumer
+        except BaseException as e:  # raised again in the consumer
             put((e, None))
 
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
     try:
         while True:
-            err, x = q.get()
-            if err is not None:
-                raise err
-            if x is done:
+            error, item = ahead.get()
+            if error is not None:
+                raise error
+            if item is done:
                 return
-            yield x
+            yield item
     finally:
         stop.set()
-        t.join(timeout=5)
+        worker.join(timeout=5)
 
 
 # --- read --------------------------------------------------------------------------------------------
@@ -262,15 +264,15 @@ class TokenStream:
         self.eos_id = self.index["eos_id"]
         self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         info = self.index["splits"][split]
-        self._shards = [s for s in info["shards"] if s["tokens"] > 0]
-        for s in self._shards:
-            path = os.path.join(data_dir, s["file"])
-            want = s["tokens"] * self.dtype.itemsize
+        self._shards = [shard for shard in info["shards"] if shard["tokens"] > 0]
+        for shard in self._shards:
+            path = os.path.join(data_dir, shard["file"])
+            want = shard["tokens"] * self.dtype.itemsize
             have = os.path.getsize(path) if os.path.isfile(path) else None
             if have != want:
                 got = "missing" if have is None else f"{have} bytes"
-                raise ValueError(f"{path}: shard is {got}, index.json says {want} bytes ({s['tokens']} tokens)")
-        self._ends = np.cumsum([s["tokens"] for s in self._shards], dtype=np.int64)
+                raise ValueError(f"{path}: shard is {got}, index.json says {want} bytes ({shard['tokens']} tokens)")
+        self._ends = np.cumsum([shard["tokens"] for shard in self._shards], dtype=np.int64)
         self.num_tokens = int(self._ends[-1]) if len(self._ends) else 0
         self.num_documents = info["documents"]
         self.num_bytes = info["bytes"]
@@ -278,7 +280,8 @@ class TokenStream:
 
     def _map(self, i: int) -> np.memmap:
         if self._maps[i] is None:
-            self._maps[i] = np.memmap(os.path.join(self.data_dir, self._shards[i]["file"]), self.dtype, mode="r")
+            path = os.path.join(self.data_dir, self._shards[i]["file"])
+            self._maps[i] = np.memmap(path, self.dtype, mode="r")
         return self._maps[i]
 
     def get(self, start: int, length: int) -> np.ndarray:
@@ -286,22 +289,24 @@ class TokenStream:
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(f"window [{start}, {start + length}) is outside the {self.num_tokens} {self.split} tokens")
         out = np.empty(length, dtype=np.int64)
-        i = int(np.searchsorted(self._ends, start, side="right"))
-        pos, filled = start, 0
+        shard = int(np.searchsorted(self._ends, start, side="right"))  # the shard that holds `start`
+        filled = 0
         while filled < length:
-            shard_start = int(self._ends[i - 1]) if i else 0
-            lo = pos - shard_start
-            take = min(length - filled, int(self._ends[i]) - pos)
-            out[filled : filled + take] = self._map(i)[lo : lo + take]
-            filled, pos, i = filled + take, pos + take, i + 1
+            pos = start + filled  # the position in the split
+            shard_start = int(self._ends[shard - 1]) if shard else 0
+            offset = pos - shard_start
+            take = min(length - filled, int(self._ends[shard]) - pos)
+            out[filled : filled + take] = self._map(shard)[offset : offset + take]
+            filled += take
+            shard += 1
         return out
 
     def documents(self, chunk_tokens: int = 1 << 22) -> Iterator[tuple[int, int]]:
-        """(start, end) token spans of the split's documents in order, EOS excluded (ids: get(start, end - start))."""
+        """Yield each document's (start, end) token span, in order, without its EOS."""
         doc_start = 0
-        for lo in range(0, self.num_tokens, chunk_tokens):
-            chunk = self.get(lo, min(chunk_tokens, self.num_tokens - lo))
-            for p in np.flatnonzero(chunk == self.eos_id):
-                end = lo + int(p)
+        for chunk_start in range(0, self.num_tokens, chunk_tokens):
+            chunk = self.get(chunk_start, min(chunk_tokens, self.num_tokens - chunk_start))
+            for eos_pos in np.flatnonzero(chunk == self.eos_id):
+                end = chunk_start + int(eos_pos)
                 yield doc_start, end
                 doc_start = end + 1

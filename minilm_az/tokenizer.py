@@ -2,7 +2,7 @@
 
 The tokenizer is a Hugging Face `tokenizers` BPE over bytes, set up like Llama 3's:
 
-- normaliser NFC only (no lowercasing: Azerbaijani I/ı and İ/i are not ASCII casing);
+- normaliser NFC only (no lowercasing, because Azerbaijani I/ı and İ/i are not ASCII casing);
 - the Llama-3 (GPT-4 style) split regex, then the byte-level alphabet (all 256 bytes are tokens,
   so any input encodes and there is no unknown token);
 - the special tokens at the START of the vocabulary, ids 0..len(SPECIAL_TOKENS)-1 in the order of
@@ -102,7 +102,7 @@ def train_tokenizer(
 ) -> Tokenizer:
     """Train the byte-level BPE on a stream of documents; `vocab_size` counts specials and bytes.
 
-    Raises ValueError for a vocab size below bytes + specials and CorpusError for an empty corpus.
+    Raises ValueError for a vocab size below bytes + specials, and for an empty corpus.
     The result can be smaller than `vocab_size` when the corpus runs out of pairs to merge.
     """
     if vocab_size < MIN_VOCAB_SIZE:
@@ -131,46 +131,47 @@ def train_tokenizer(
 
 
 def _tokenizer_json(path: str) -> str:
-    p = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.isfile(p):
-        where = f"no tokenizer.json in {path}" if os.path.isdir(path) else f"tokenizer not found: {path}"
-        raise FileNotFoundError(where)
-    return p
+    json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(json_path):
+        message = f"no tokenizer.json in {path}" if os.path.isdir(path) else f"tokenizer not found: {path}"
+        raise FileNotFoundError(message)
+    return json_path
 
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Load `tokenizer.json` from a directory holding it, or from the file itself."""
-    p = _tokenizer_json(path)
+    json_path = _tokenizer_json(path)
     try:
-        return Tokenizer.from_file(p)
+        return Tokenizer.from_file(json_path)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise ValueError(f"{p}: not a valid tokenizer.json ({e})") from None
+        raise ValueError(f"{json_path}: not a valid tokenizer.json ({e})") from None
 
 
 def tokenizer_hash(path: str) -> str:
-    """sha256 hex of the `tokenizer.json` bytes (dir or file): ties token shards to their tokenizer."""
+    """The sha256 of `tokenizer.json` (dir or file), which token shards store to name their tokenizer."""
     return file_sha256(_tokenizer_json(path))
 
 
 def check_model_tokenizer(model_dir: str, tokenizer: str | None, flag: str) -> None:
-    """Refuse a tokenizer that is not the model's own. An exported model dir holds its tokenizer's files,
-    so its tokenizer.json is the record; a model dir without one cannot be checked (the vocab size is)."""
+    """Raise ValueError if `tokenizer` is not the one saved in `model_dir` (compared by hash).
+    A model dir without a tokenizer.json is not checked here. The caller checks the vocab size."""
     own = os.path.join(model_dir, "tokenizer.json")
     if not tokenizer or not os.path.isfile(own):
         return
-    mine, theirs = tokenizer_hash(own), tokenizer_hash(tokenizer)
-    if mine != theirs:
+    model_hash = tokenizer_hash(own)
+    given_hash = tokenizer_hash(tokenizer)
+    if model_hash != given_hash:
         raise ValueError(
-            f"{flag} {tokenizer} is not the tokenizer of {model_dir} (tokenizer.json {theirs[:12]} vs "
-            f"the model's {mine[:12]}): pass the model's own tokenizer"
+            f"{flag} {tokenizer} is not the tokenizer of {model_dir} (tokenizer.json {given_hash[:12]} vs "
+            f"the model's {model_hash[:12]}): pass the model's own tokenizer"
         )
 
 
 def eos_id(tok: Tokenizer) -> int:
-    """The end-of-text id: ours, GPT-2's or SentencePiece's spelling."""
-    for t in (EOS, "<|endoftext|>", "</s>"):
-        if tok.token_to_id(t) is not None:
-            return tok.token_to_id(t)
+    """The id of the end-of-text token, spelled as ours, GPT-2's or SentencePiece's."""
+    for name in (EOS, "<|endoftext|>", "</s>"):
+        if tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
     raise ValueError("the tokenizer has no end-of-text token (<|end_of_text|>, <|endoftext|> or </s>)")
 
 
@@ -183,19 +184,18 @@ def encode_plain(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     before = tok.encode_special_tokens
     tok.encode_special_tokens = True
     try:
-        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # the fast one skips offsets
         return [e.ids for e in encode(texts, add_special_tokens=False)]
     finally:
         tok.encode_special_tokens = before
 
 
 def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
-    """UTF-8 bytes each id stands for (int64, 0 for special tokens): a window's bytes, for BPB.
+    """The number of UTF-8 bytes each id stands for (int64, 0 for special tokens). BPB sums them.
 
     Valid for byte-level BPE (ours, Llama 3's), where each character of a token is one byte.
     """
-    n = tok.get_vocab_size()
-    lengths = np.zeros(n, dtype=np.int64)
+    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int64)
     special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     for token, i in tok.get_vocab(with_added_tokens=True).items():
         if i not in special:
@@ -212,7 +212,7 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int | None) -> dict:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
-        "pad_token": PAD if tok.token_to_id(PAD) is not None else None,  # None: AutoTokenizer would add one
+        "pad_token": PAD if tok.token_to_id(PAD) is not None else None,  # AutoTokenizer adds a missing PAD
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -234,10 +234,9 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int | None) -> dict:
 
 
 def write_tokenizer_files(tok: Tokenizer, out_dir: str, model_max_length: int | None = None) -> None:
-    """Write tokenizer.json, tokenizer_config.json (with the chat template), special_tokens_map.json.
+    """Write tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json.
 
-    `AutoTokenizer.from_pretrained(out_dir)` then gives the same ids as `tok`. The directory is
-    created if needed; existing files of these names are replaced.
+    `AutoTokenizer.from_pretrained(out_dir)` then gives the same ids as `tok`. Existing files are replaced.
     """
     missing = [s for s in (BOS, EOS, PAD, START_HEADER, END_HEADER, EOT) if tok.token_to_id(s) is None]
     if missing:
@@ -282,7 +281,7 @@ def fertility(tokenizers_: dict[str, Tokenizer], documents: Iterable[str], batch
     so every tokenizer sees identical input; tokens are counted with `encode_plain` (no BOS/EOS).
     """
     totals = {"documents": 0, "words": 0, "chars": 0, "bytes": 0}
-    tokens = dict.fromkeys(tokenizers_, 0)
+    tokens = dict.fromkeys(tokenizers_, 0)  # tokenizer name -> tokens so far
     batch: list[str] = []
 
     def flush():
@@ -302,13 +301,13 @@ def fertility(tokenizers_: dict[str, Tokenizer], documents: Iterable[str], batch
     if batch:
         flush()
     out = {}
-    for name, n in tokens.items():
+    for name, count in tokens.items():
         out[name] = dict(
             totals,
-            tokens=n,
-            tokens_per_word=n / max(totals["words"], 1),
-            bytes_per_token=totals["bytes"] / max(n, 1),
-            chars_per_token=totals["chars"] / max(n, 1),
+            tokens=count,
+            tokens_per_word=count / max(totals["words"], 1),
+            bytes_per_token=totals["bytes"] / max(count, 1),
+            chars_per_token=totals["chars"] / max(count, 1),
         )
     return out
 
@@ -316,22 +315,15 @@ def fertility(tokenizers_: dict[str, Tokenizer], documents: Iterable[str], batch
 def format_fertility(rows: dict[str, dict[str, dict]]) -> str:
     """A plain-text table of `{corpus_name: fertility(...)}`."""
     header = ("corpus", "tokenizer", "vocab", "docs", "words", "tokens", "tok/word", "bytes/tok", "chars/tok")
-    lines = []
+    table = []
     for corpus, by_tok in rows.items():
-        for name, r in by_tok.items():
-            lines.append(
-                (
-                    corpus,
-                    name,
-                    str(r.get("vocab_size", "")),
-                    str(r["documents"]),
-                    str(r["words"]),
-                    str(r["tokens"]),
-                    f"{r['tokens_per_word']:.3f}",
-                    f"{r['bytes_per_token']:.3f}",
-                    f"{r['chars_per_token']:.3f}",
-                )
-            )
-    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(header)]
-    fmt = lambda row: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+        for name, stats in by_tok.items():
+            counts = [stats.get("vocab_size", ""), stats["documents"], stats["words"], stats["tokens"]]
+            ratios = [stats["tokens_per_word"], stats["bytes_per_token"], stats["chars_per_token"]]
+            table.append([corpus, name, *map(str, counts), *(f"{r:.3f}" for r in ratios)])
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+
+    def fmt(row) -> str:  # the two name columns align left, the numbers right
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(row) for row in table])

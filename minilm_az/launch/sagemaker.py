@@ -6,7 +6,7 @@
 Launcher flags (below) pick the machines and the S3 inputs; every other `--flag value` becomes a
 hyperparameter, which the container hands back to the script as `--flag value`. Inputs arrive as
 channels (`--data` -> `SM_CHANNEL_DATA`), the final model goes to `SM_MODEL_DIR` and is uploaded
-uncompressed, so one stage's output prefix is the next stage's input. The README's SageMaker section has the rest.
+uncompressed, so one stage's output prefix is the next stage's input. docs/sagemaker.md has the rest.
 
 Either SageMaker Python SDK line launches the same job (`pip install -e ".[sagemaker]"`): 2.x through
 its PyTorch estimator (`launch_v2`), 3.x through ModelTrainer with Torchrun (`launch_v3`); the installed
@@ -699,7 +699,7 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
             if not args.dry_run:
                 raise SystemExit(
                     "error: no execution role: pass --role arn:aws:iam::ACCOUNT:role/NAME "
-                    "(the README's SageMaker section lists what it needs)"
+                    "(docs/sagemaker.md lists what it needs)"
                 )
             role = "arn:aws:iam::ACCOUNT:role/ROLE"
         plan = plan_job(args, bucket=bucket, role=role)

@@ -1,0 +1,125 @@
+"""The package by audience keeps its shape: the engine a reader learns from stays small and free of the cloud
+launcher and the corpus tools, the root scripts stay short, the README stays a guide, and a core install
+(without the `prep` extra) runs the pipeline."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = sorted((ROOT / "minilm_az").glob("*.py"))
+SCRIPTS = [ROOT / name for name in ("tokenize.py", "train.py", "finetune.py")]
+PREP_LIBRARIES = ("pyarrow", "zstandard", "py3langid")
+# What the engine must not import: the flag layer, a cloud SDK, a file-format library, or its own subpackages.
+NOT_IN_ENGINE = ("argparse", "sagemaker", "boto3", "botocore", *PREP_LIBRARIES, "minilm_az.launch", "minilm_az.prep")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (imports inside functions count too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_format_library():
+    lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in ENGINE}
+    assert sum(lines.values()) <= 4200, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    for path in ENGINE:
+        bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_config_holds_only_dataclasses():
+    imports = imported_modules(ROOT / "minilm_az" / "config.py")
+    assert not imports & {"argparse", "os", "sys"}, sorted(imports)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_root_scripts_are_short_and_so_are_their_functions(script):
+    text = script.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            assert length <= 60, f"{script.name}:{node.name} is {length} lines"
+
+
+def test_readme_is_a_guide_and_every_page_it_links_exists():
+    readme = ROOT / "README.md"
+    assert readme.stat().st_size <= 14 * 1024
+    links = re.findall(r"\]\(((?:docs|bench|demo|data)/[^)#\s]+)", readme.read_text(encoding="utf-8"))
+    assert any(link.startswith("docs/") for link in links)
+    for link in links:
+        assert (ROOT / link).exists(), link
+
+
+# A Python started with this directory on its path behaves as if the prep extra were not installed: every
+# finder answers "not found" for its libraries, as when they are absent (torch probes some with find_spec).
+BLOCKER = textwrap.dedent(
+    f"""
+    import sys
+
+    class Hide:
+        def __init__(self, finder):
+            self.finder = finder
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {PREP_LIBRARIES!r}:
+                return None
+            return self.finder.find_spec(name, path, target)
+
+        def __getattr__(self, attr):
+            return getattr(self.finder, attr)
+
+    sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_core_install_tokenizes_trains_and_evaluates_and_names_the_extra_where_it_is_needed(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    probe = run("-c", "import zstandard")
+    assert probe.returncode != 0 and "No module named 'zstandard'" in probe.stderr  # the blocker works
+    corpus, tok, shards = "data/az/django.txt", str(tmp_path / "tok"), str(tmp_path / "shards")
+    steps = [
+        ("tokenize.py", "train", "--corpus", corpus, "--vocab-size", "600", "--out", tok, "--no-progress"),
+        ("tokenize.py", "encode", "--corpus", corpus, "--tokenizer", tok, "--out", shards, "--no-progress"),
+        ("train.py", "--phase", "2", "--preset", "tiny", "--tokenizer", tok, "--data", shards, "--steps", "2")
+        + ("--global-batch", "2", "--seq-len", "64", "--eval-batches", "1", "--out", str(tmp_path / "model")),
+    ]
+    for argv in steps:
+        r = run(*argv)
+        assert r.returncode == 0, f"{argv[:2]}: {r.stderr[-2000:]}"
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert re.search(r"^eval step=2 val_loss=\S+ val_bpb=\S+", r.stdout, re.M)
+
+    (tmp_path / "web.parquet").write_bytes(b"PAR1")
+    needs_extra = [
+        ("tokenize.py", "clean", "--corpus", corpus, "--out", str(tmp_path / "clean"), "--no-progress"),
+        ("tokenize.py", "train", "--corpus", str(tmp_path / "web.parquet"), "--out", str(tmp_path / "t2")),
+    ]
+    for argv in needs_extra:
+        r = run(*argv)
+        assert r.returncode == 2, f"{argv[:2]}: rc {r.returncode}: {r.stderr[-2000:]}"
+        assert "Traceback" not in r.stderr
+        errors = [line for line in r.stderr.splitlines() if ": error: " in line]
+        assert len(errors) == 1 and "prep extra" in errors[0] and "pip install" in errors[0], r.stderr
