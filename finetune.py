@@ -22,23 +22,17 @@ import time
 import torch
 
 from minilm_az import lora, parallel
-from minilm_az.chat import (
-    ChatFormatError,
-    NothingToTrain,
-    chat_files,
-    collate,
-    encode_chat,
-    micro_batches,
-    read_chat_files,
-)
+from minilm_az.bpb import rank_batches
+from minilm_az.chat import ChatFormatError, NothingToTrain, collate, encode_chat, micro_batches
 from minilm_az.config import FinetuneConfig
 from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained
-from minilm_az.kernels import IGNORE, select_ops
+from minilm_az.kernels import select_ops
 from minilm_az.launch.flags import make_parser, parse_config
 from minilm_az.logs import MetricLogger, Progress, print_error
-from minilm_az.model import materialize, meta_model
+from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
 from minilm_az.outputs import atomic_write_json
+from minilm_az.prep.chat_data import chat_files, read_chat_files
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
 MERGED_MARK = "merged_from_adapter.json"  # in OUT/merged: this model already holds an adapter
@@ -149,11 +143,9 @@ def build(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger):
 def evaluate(model, val: list, cfg: FinetuneConfig, proc: parallel.Process, pad_id: int) -> float:
     """Masked (assistant-token) mean NLL over the val set, split over ranks, every rank running the same forwards."""
     model.eval()
-    per_call = cfg.micro_batch * proc.world_size
+    no_target = ([pad_id, pad_id], [IGNORE, IGNORE])  # fills a rank's last micro-batch when the val set runs out
     nll, n = 0.0, 0
-    for b in range(math.ceil(len(val) / per_call)):
-        s = b * per_call + proc.rank * cfg.micro_batch
-        chunk = val[s : s + cfg.micro_batch] or [([pad_id, pad_id], [IGNORE, IGNORE])]  # FSDP needs every rank
+    for chunk in rank_batches(val, cfg.micro_batch, proc.rank, proc.world_size, filler=no_target):
         x, y = collate(chunk, pad_id, proc.device)
         nll += float(model(x, targets=y, reduction="sum"))
         n += int((y != IGNORE).sum())
@@ -289,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             log.close()
             parallel.teardown()
-    except (ValueError, FloatingPointError, OSError) as e:  # ChatFormatError, CheckpointError, AdapterError...
+    except (ValueError, FloatingPointError, OSError) as e:  # ChatFormatError, ModelDirError, AdapterError...
         print_error("finetune.py", e)
         return 2
     return 0

@@ -6,7 +6,7 @@
         --data SHARDS --out PHASE2                        # everything trains
     python train.py --eval-only --base-model M --tokenizer M --eval-text FILE    # bits per byte
 
-Reads top to bottom: flags and input checks, the model, evaluation, one step, `train` (resume, loop, export).
+Reads top to bottom: the flags become a run plan, then the model, evaluation, one step, and `train`, the loop.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import sys
 import time
 import unicodedata
@@ -24,7 +23,7 @@ import torch
 
 from minilm_az import bpb, checkpoint, parallel
 from minilm_az import tokenizer as tk
-from minilm_az.config import PHASE_DEFAULTS, TrainConfig
+from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan
 from minilm_az.data import BatchStream
 from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
@@ -42,43 +41,44 @@ class UsageError(ValueError):
     """A problem with the flags or inputs, reported as one line without a traceback."""
 
 
-# ---------------------------------------------------------------- flags
+# ---------------------------------------------------------------- flags and the run plan
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    p = make_parser(TrainConfig, "train.py", __doc__)
-    cfg = parse_config(TrainConfig, p, argv)
-    try:
-        resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    except ValueError as e:  # UsageError and CheckpointError are ValueErrors
-        p.error(str(e))
-    return cfg
-
-
-def resolve(cfg: TrainConfig, world: int) -> None:
-    """Defaults that depend on the phase, the model and the number of processes; flag errors before any work."""
-    if cfg.phase == 1 and not cfg.eval_only and not (cfg.base_model and cfg.base_tokenizer):
+def resolve(flags: TrainConfig, world: int) -> TrainPlan:
+    """The run plan: defaults that depend on the phase, the model and the processes; flag errors before any work."""
+    if flags.phase == 1 and not flags.eval_only and not (flags.base_model and flags.base_tokenizer):
         raise UsageError("--phase 1 trains a base model's embeddings: it needs --base-model and --base-tokenizer")
-    cfg.out = cfg.out or os.path.join("runs", f"phase{cfg.phase}")
-    cfg.checkpoint_dir = cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
-    cfg.steps = cfg.steps or PHASE_DEFAULTS[cfg.phase]["steps"]
-    cfg.lr = cfg.lr if cfg.lr is not None else PHASE_DEFAULTS[cfg.phase]["lr"]
-    cfg.warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 20)
-    if cfg.checkpoint_minutes is None:  # on SageMaker a spot interruption sends no SIGTERM we could act on
-        cfg.checkpoint_minutes = 30.0 if in_sagemaker() else 0.0
-    base = need_dir(cfg.base_model, "--base-model", "a Hugging Face model directory") if cfg.base_model else None
-    context = read_config(base).max_seq_len if base else get_preset(cfg.preset).max_seq_len
-    cfg.seq_len = cfg.seq_len or min(2048, context)
-    if cfg.seq_len > context:
-        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the model's context of {context} tokens")
-    cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=14)
-    cfg.fp8_all_gather = parallel.check_fp8(
-        cfg.fp8, cfg.fp8_all_gather, cfg.compile, cfg.device, world, cfg.fp8_fast_accum
+    recipe = PHASE_1 if flags.phase == 1 else PHASE_2
+    out = flags.out or os.path.join("runs", f"phase{flags.phase}")
+    base = need_dir(flags.base_model, "--base-model", "a Hugging Face model directory") if flags.base_model else None
+    context = read_config(base).max_seq_len if base else get_preset(flags.preset).max_seq_len
+    seq_len = flags.seq_len or min(2048, context)
+    if seq_len > context:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
+    micro_batch, _ = parallel.split_batch(flags.global_batch, world, flags.micro_batch, largest=14)
+    fp8_all_gather = parallel.check_fp8(
+        flags.fp8, flags.fp8_all_gather, flags.compile, flags.device, world, flags.fp8_fast_accum
     )
     for name in ("base_model", "base_tokenizer", "tokenizer", "data"):
-        path = getattr(cfg, name)
-        if not cfg.eval_only and path and os.path.abspath(path) == os.path.abspath(cfg.out):
-            raise UsageError(f"--out {cfg.out} is also --{name.replace('_', '-')}: the export would overwrite it")
+        path = getattr(flags, name)
+        if not flags.eval_only and path and os.path.abspath(path) == os.path.abspath(out):
+            raise UsageError(f"--out {out} is also --{name.replace('_', '-')}: the export would overwrite it")
+    steps = flags.steps or recipe.steps
+    on_sagemaker = 30.0 if in_sagemaker() else 0.0  # there a spot interruption sends no SIGTERM we could act on
+    return TrainPlan(
+        flags=flags,
+        out=out,
+        checkpoint_dir=flags.checkpoint_dir or os.path.join(out, "checkpoints"),
+        steps=steps,
+        lr=recipe.lr if flags.lr is None else flags.lr,
+        warmup=max(1, steps // 20) if flags.warmup is None else flags.warmup,
+        checkpoint_minutes=on_sagemaker if flags.checkpoint_minutes is None else flags.checkpoint_minutes,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        fp8_all_gather=fp8_all_gather,
+        embeddings_only=recipe.embeddings_only and not flags.eval_only,  # evaluation takes the model as it is
+        transfer_vocab=bool(flags.base_model and flags.base_tokenizer) and not flags.eval_only,
+    )
 
 
 def need_dir(path: str | None, flag: str, what: str) -> str:
@@ -87,207 +87,203 @@ def need_dir(path: str | None, flag: str, what: str) -> str:
     return path
 
 
-def embedding_rows(cfg: TrainConfig, n_tok: int) -> int:
+def embedding_rows(plan: TrainPlan, n_tok: int) -> int:
     """Rows of the model's embedding: the base's (phase 2 from a model), else our vocabulary padded to 64."""
-    if cfg.base_model and not cfg.base_tokenizer:  # the model already speaks this tokenizer
-        tk.check_model_tokenizer(cfg.base_model, cfg.tokenizer, "--tokenizer")
-        vocab = read_config(cfg.base_model).vocab_size
+    flags, base = plan.flags, plan.flags.base_model
+    if base and not plan.transfer_vocab:  # the model already speaks this tokenizer
+        tk.check_model_tokenizer(base, flags.tokenizer, "--tokenizer")
+        vocab = read_config(base).vocab_size
         if vocab < n_tok:
-            hint = "is it its own?" if cfg.eval_only else "pass --base-tokenizer to transfer the vocabulary (phase 1)"
-            raise UsageError(f"the tokenizer has {n_tok} ids but {cfg.base_model} only {vocab} embedding rows: {hint}")
+            hint = "is it its own?" if flags.eval_only else "pass --base-tokenizer to transfer the vocabulary (phase 1)"
+            raise UsageError(f"the tokenizer has {n_tok} ids but {base} only {vocab} embedding rows: {hint}")
         return vocab
-    if cfg.base_model:
-        tk.check_model_tokenizer(cfg.base_model, cfg.base_tokenizer, "--base-tokenizer")
+    if base:
+        tk.check_model_tokenizer(base, flags.base_tokenizer, "--base-tokenizer")
     return math.ceil(n_tok / 64) * 64  # new embedding rows: a GPU-friendly multiple
 
 
 # ---------------------------------------------------------------- model
 
 
-def build(cfg: TrainConfig, proc: parallel.Process, vocab_size: int, log: MetricLogger, tok=None):
+def build(plan: TrainPlan, proc: parallel.Process, vocab_size: int, log: MetricLogger, tok=None):
     """Meta model -> freeze for the phase -> AC/compile/FSDP2 -> materialise -> load (or init) weights."""
+    flags = plan.flags
     overrides = {}
-    if cfg.base_model:
-        mcfg = read_config(cfg.base_model)
-        if cfg.base_tokenizer:  # phase 1: our vocabulary's rows from the base's rows (transfer.py)
-            base_tok = tk.load_tokenizer(cfg.base_tokenizer)
+    if flags.base_model:
+        mcfg = read_config(flags.base_model)
+        if plan.transfer_vocab:  # our vocabulary's rows from the base's rows (transfer.py)
+            base_tok = tk.load_tokenizer(flags.base_tokenizer)
             heads = ["model.embed_tokens.weight"] + ([] if mcfg.tie_embeddings else ["lm_head.weight"])
             for name in heads:
-                base_rows = read_tensor(cfg.base_model, name)
+                base_rows = read_tensor(flags.base_model, name)
                 rows, stats = transfer_embedding(base_rows, base_tok, tok, vocab_size)
                 log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), new_vocab=vocab_size)
                 overrides[name] = rows
             mcfg = mcfg.with_vocab(vocab_size)
     else:
-        mcfg = get_preset(cfg.preset, vocab_size)
-    model = meta_model(mcfg, select_ops(proc.device, cfg.liger, cfg.compile))
-    if cfg.phase == 1:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
+        mcfg = get_preset(flags.preset, vocab_size)
+    model = meta_model(mcfg, select_ops(proc.device, flags.liger, flags.compile))
+    if plan.embeddings_only:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
-    fp8 = dict(fp8=cfg.fp8, fp8_all_gather=cfg.fp8_all_gather == "true", fp8_fast_accum=cfg.fp8_fast_accum)
-    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, **fp8)
-    materialize(model, proc.device, seed=cfg.seed, init=not cfg.base_model)
-    if cfg.base_model:
-        load_weights_into(model, cfg.base_model, overrides)
+    fp8 = dict(fp8=flags.fp8, fp8_all_gather=plan.fp8_all_gather, fp8_fast_accum=flags.fp8_fast_accum)
+    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda", ac=flags.ac, compile=flags.compile, **fp8)
+    materialize(model, proc.device, seed=flags.seed, init=not flags.base_model)
+    if flags.base_model:
+        load_weights_into(model, flags.base_model, overrides)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    accum = cfg.global_batch // (cfg.micro_batch * proc.world_size)
-    log.log("model", params=mcfg.num_params(), trainable=trainable, world=proc.world_size, micro_batch=cfg.micro_batch)
-    log.log("batch", accum=accum, tokens_per_step=cfg.global_batch * cfg.seq_len, ops=model.ops.name, fp8=cfg.fp8)
+    accum = flags.global_batch // (plan.micro_batch * proc.world_size)
+    log.log("model", params=mcfg.num_params(), trainable=trainable, world=proc.world_size, micro_batch=plan.micro_batch)
+    log.log("batch", accum=accum, tokens_per_step=flags.global_batch * plan.seq_len, ops=model.ops.name, fp8=flags.fp8)
     return model
 
 
 # ---------------------------------------------------------------- evaluation
 
 
-def eval_tokens(cfg: TrainConfig, tok) -> np.ndarray:
+def eval_tokens(plan: TrainPlan, tok) -> np.ndarray:
     """The stream to score: --eval-text documents (NFC once, then encoded), else the val split of --data."""
     eos = tk.eos_id(tok)
-    if cfg.eval_text:
-        docs = [unicodedata.normalize("NFC", t) for t in readers.iter_documents(readers.corpus_files(cfg.eval_text))]
+    flags = plan.flags
+    if flags.eval_text:
+        docs = [unicodedata.normalize("NFC", t) for t in readers.iter_documents(readers.corpus_files(flags.eval_text))]
         return bpb.doc_stream(tk.encode_plain(tok, docs), eos)
-    val = TokenStream(cfg.data, "val")
+    val = TokenStream(flags.data, "val")
     if val.num_tokens == 0:
-        raise UsageError(f"{cfg.data}: the val split is empty; pass --eval-text or re-encode with a val split")
+        raise UsageError(f"{flags.data}: the val split is empty; pass --eval-text or re-encode with a val split")
     return np.concatenate([[eos], val.get(0, val.num_tokens)])
 
 
-def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, cfg: TrainConfig, proc, log, step: int) -> dict:
+def evaluate(model, tokens: np.ndarray, token_bytes: np.ndarray, plan: TrainPlan, proc, log, step: int) -> dict:
     """Val loss and bits per byte: bytes are those of exactly the targets scored (see bpb.py)."""
-    cap = cfg.eval_batches * cfg.micro_batch if cfg.eval_batches else None
+    cap = plan.flags.eval_batches * plan.micro_batch if plan.flags.eval_batches else None
     tick = ticker(log, "eval_progress", step=step)
     shares = bpb.total_nll(
-        model, tokens, cfg.seq_len, cfg.micro_batch, proc.device, proc.rank, proc.world_size, cap, token_bytes, tick
+        model, tokens, plan.seq_len, plan.micro_batch, proc.device, proc.rank, proc.world_size, cap, token_bytes, tick
     )
     nll, count, n_bytes = parallel.all_reduce_sum(list(shares), proc.device)
     bits = bpb.bits_per_byte(nll, n_bytes)
     return dict(
-        val_loss=nll / max(count, 1), val_bpb=bits, val_tokens=int(count), val_bytes=int(n_bytes), window=cfg.seq_len
+        val_loss=nll / max(count, 1), val_bpb=bits, val_tokens=int(count), val_bytes=int(n_bytes), window=plan.seq_len
     )
 
 
-def eval_only(cfg: TrainConfig, proc: parallel.Process, log: MetricLogger) -> None:
-    need_dir(cfg.base_model, "--base-model", "the model to evaluate")
-    tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "the model's own tokenizer"))
-    cfg.phase, cfg.base_tokenizer = 2, None  # evaluate the model as it is: no vocabulary transfer
-    model = build(cfg, proc, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log)
-    log.log("eval", step=0, **evaluate(model, eval_tokens(cfg, tok), tk.token_byte_lengths(tok), cfg, proc, log, 0))
+def eval_only(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
+    """Bits per byte of --base-model as it is (the plan transfers no vocabulary and freezes nothing)."""
+    need_dir(plan.flags.base_model, "--base-model", "the model to evaluate")
+    tok = tk.load_tokenizer(need_dir(plan.flags.tokenizer, "--tokenizer", "the model's own tokenizer"))
+    model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log)
+    log.log("eval", step=0, **evaluate(model, eval_tokens(plan, tok), tk.token_byte_lengths(tok), plan, proc, log, 0))
 
 
 # ---------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, stream: BatchStream, step: int, params: list, cfg: TrainConfig, proc):
+def train_step(model, optimizer, stream: BatchStream, step: int, params: list, plan: TrainPlan, proc):
     """Forward and backward over this rank's micro-batches of `step`; returns (mean loss here, grad norm)."""
-    set_lr(optimizer, cosine_lr(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    set_lr(optimizer, cosine_lr(step, plan.lr, plan.warmup, plan.steps, plan.flags.min_lr_ratio))
     loss_sum = torch.zeros((), device=proc.device)
     for x, y in stream.micro_batches(step, proc.device):
         loss = model(x, targets=y) / stream.accum_steps
         loss.backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, plan.flags.grad_clip or float("inf"))
     return float(loss_sum), float(parallel.full_tensor(grad_norm))
 
 
-def load_inputs(cfg: TrainConfig, proc: parallel.Process):
+def load_inputs(plan: TrainPlan, proc: parallel.Process):
     """Our tokenizer (checked against the shards), the training batches, and the val tokens with bytes per id."""
-    tok = tk.load_tokenizer(need_dir(cfg.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
-    index = load_index(need_dir(cfg.data, "--data", "token shards, from tokenize.py encode"))
-    check_tokenizer(index, tk.tokenizer_hash(cfg.tokenizer), tok.get_vocab_size(with_added_tokens=True))
-    check_writable(cfg.checkpoint_dir, "--checkpoint-dir")
-    train = TokenStream(cfg.data, "train")
-    stream = BatchStream(train, cfg.seq_len, cfg.global_batch, cfg.micro_batch, proc.rank, proc.world_size, cfg.seed)
-    return tok, stream, (eval_tokens(cfg, tok), tk.token_byte_lengths(tok))
+    flags = plan.flags
+    tok = tk.load_tokenizer(need_dir(flags.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
+    index = load_index(need_dir(flags.data, "--data", "token shards, from tokenize.py encode"))
+    check_tokenizer(index, tk.tokenizer_hash(flags.tokenizer), tok.get_vocab_size(with_added_tokens=True))
+    check_writable(plan.checkpoint_dir, "--checkpoint-dir")
+    train = TokenStream(flags.data, "train")
+    stream = BatchStream(
+        train, plan.seq_len, flags.global_batch, plan.micro_batch, proc.rank, proc.world_size, flags.seed
+    )
+    return tok, stream, (eval_tokens(plan, tok), tk.token_byte_lengths(tok))
 
 
-def run_identity(cfg: TrainConfig, model) -> tuple[dict, dict]:
+def run_identity(plan: TrainPlan, model) -> tuple[dict, dict]:
     """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
-    data = file_sha256(os.path.join(cfg.data, "index.json"))
-    must = dict(model=model.config.to_dict(), phase=cfg.phase, data=data, tokenizer=tk.tokenizer_hash(cfg.tokenizer))
-    must["base_model"] = checkpoint.model_fingerprint(cfg.base_model)
-    return must, {"seed": cfg.seed, "global_batch": cfg.global_batch, "seq_len": cfg.seq_len}
+    flags = plan.flags
+    data, tokenizer = file_sha256(os.path.join(flags.data, "index.json")), tk.tokenizer_hash(flags.tokenizer)
+    must = dict(model=model.config.to_dict(), phase=flags.phase, data=data, tokenizer=tokenizer)
+    must["base_model"] = checkpoint.model_fingerprint(flags.base_model)
+    return must, {"seed": flags.seed, "global_batch": flags.global_batch, "seq_len": plan.seq_len}
 
 
-def train(cfg: TrainConfig, proc: parallel.Process, log: MetricLogger) -> None:
-    tok, stream, val = load_inputs(cfg, proc)
-    model = build(cfg, proc, embedding_rows(cfg, tok.get_vocab_size(with_added_tokens=True)), log, tok)
+def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
+    """Inputs, model, resume; then each step trains, logs, evaluates and checkpoints; then the export."""
+    flags = plan.flags
+    tok, stream, val = load_inputs(plan, proc)
+    model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, proc.device.type == "cuda")
-    parallel.fp8_scale_hook(model, optimizer, on=cfg.fp8_all_gather == "true")
-    must, may = run_identity(cfg, model)
-    ckpt_dir = os.path.join(cfg.checkpoint_dir, f"phase{cfg.phase}")
-    ckpt = checkpoint.Checkpointer(ckpt_dir, proc.rank, proc.local_rank, cfg.keep_checkpoints, cfg.async_checkpoint)
+    optimizer = adamw(model, plan.lr, (flags.beta1, flags.beta2), flags.weight_decay, proc.device.type == "cuda")
+    parallel.fp8_scale_hook(model, optimizer, on=plan.fp8_all_gather)
+    must, may = run_identity(plan, model)
+    ckpt_dir = os.path.join(plan.checkpoint_dir, f"phase{flags.phase}")
+    ckpt = checkpoint.Checkpointer(ckpt_dir, proc.rank, proc.local_rank, flags.keep_checkpoints, flags.async_checkpoint)
+    state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
+    control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, plan.checkpoint_minutes, log)
     start = 0
-    if cfg.resume == "auto":  # the newest complete checkpoint made from these same inputs
+    if flags.resume == "auto":  # the newest complete checkpoint made from these same inputs
         start, _ = checkpoint.resume(ckpt_dir, model, optimizer, proc.rank, must, may, log.info)
     if start:
         log.log("resume", **{"from": os.path.join(ckpt_dir, f"step-{start:08d}")}, step=start)
     else:
-        log.log("eval", step=0, **evaluate(model, *val, cfg, proc, log, 0))
-    stop, meter = sigterm_flag(), Progress(cfg.steps, start, every=cfg.log_every)
-    last_save, pending, stopping = time.monotonic(), None, 0.0  # pending: a checkpoint still being written
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        loss, grad_norm = train_step(model, optimizer, stream, step, params, cfg, proc)
-        # One all-reduce carries the loss and three flags, so every rank decides alike after this step: a SIGTERM
-        # that reached only some ranks, rank 0's checkpoint clock, and how many ranks are still writing one.
-        clock = proc.is_main and 0 < cfg.checkpoint_minutes * 60 <= time.monotonic() - last_save
-        flags = [loss, float(stop[0] is not None), float(clock), float(not ckpt.pending_done())]
-        loss, stopping, clock, writing = parallel.all_reduce_sum(flags, proc.device)
-        loss, done = loss / proc.world_size, step + 1
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # all ranks see the same reduced values
-            ckpt.close()  # a checkpoint still being written is finished first: it is the last good one
-            last = checkpoint.latest_checkpoint(ckpt_dir) or "none"
-            msg = f"loss {loss} / grad norm {grad_norm} at step {done}: stopped before the update"
-            raise FloatingPointError(f"{msg}; last good checkpoint: {last}")
+        log.log("eval", step=0, **evaluate(model, *val, plan, proc, log, 0))
+    meter = Progress(plan.steps, start, every=flags.log_every)
+    tokens_per_step = flags.global_batch * plan.seq_len
+    for step in range(start, plan.steps):
+        started = time.perf_counter()
+        loss, grad_norm = train_step(model, optimizer, stream, step, params, plan, proc)
+        done = step + 1
+        loss = control.agree(loss, grad_norm, done)  # all ranks agree on the loss, and on whether to save or stop
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if pending and not writing:  # every rank has written it: rename it into place, point `latest` at it
-            log.log("checkpoint", step=pending, dir=ckpt.finalize())
-            pending = None
-        meter.add(time.perf_counter() - t0, loss=loss)
+        meter.add(time.perf_counter() - started, loss=loss)
         if meter.due(done):
-            w, lr = meter.flush(done), optimizer.param_groups[0]["lr"]
-            tps = cfg.global_batch * cfg.seq_len * w["steps_per_s"]
-            speed = throughput(tps, proc.world_size, model.config.flops_per_token(cfg.seq_len), proc.device)
-            log.log("train", step=done, loss=w["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=w["eta"])
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            log.log("eval", step=done, **evaluate(model, *val, cfg, proc, log, done))
-        if stopping or clock or done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            ckpt.save(done, model, optimizer, {**must, **may})
-            last_save, pending = time.monotonic(), done
-        if stopping:
-            log.info(f"stopped by signal {stop[0] or int(signal.SIGTERM)} at step {done}; resume with --resume auto")
+            stats = meter.flush(done)  # the mean loss, the steps per second and the ETA since the last line
+            flops = model.config.flops_per_token(plan.seq_len)
+            speed = throughput(tokens_per_step * stats["steps_per_s"], proc.world_size, flops, proc.device)
+            lr = optimizer.param_groups[0]["lr"]
+            log.log(
+                "train", step=done, loss=stats["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=stats["eta"]
+            )
+        if (flags.eval_every and done % flags.eval_every == 0) or done == plan.steps:
+            log.log("eval", step=done, **evaluate(model, *val, plan, proc, log, done))
+        control.save(done, last_step=done == plan.steps)
+        if control.stopping:  # after a stop signal the checkpoint is written, and the resumed run exports
             break
-    if pending:
-        log.log("checkpoint", step=pending, dir=ckpt.finalize())
-    ckpt.close()
-    if not stopping:
-        export(model, cfg, tok, proc, log)
+    control.close()
+    if not control.stopping:
+        export(model, plan, tok, proc, log)
 
 
-def sigterm_flag() -> list:
-    """SIGTERM (a spot interruption under plain torchrun) sets flag[0]: checkpoint after this step and exit."""
-    flag = [None]
-    signal.signal(signal.SIGTERM, lambda signum, frame: flag.__setitem__(0, signum))
-    return flag
-
-
-def export(model, cfg: TrainConfig, tok, proc: parallel.Process, log: MetricLogger) -> None:
+def export(model, plan: TrainPlan, tok, proc: parallel.Process, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
-    ids, dtype = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}, getattr(torch, cfg.export_dtype)
-    save_pretrained(model, cfg.out, dtype, token_ids=ids, is_writer=proc.is_main)
+    ids, dtype = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}, getattr(torch, plan.flags.export_dtype)
+    save_pretrained(model, plan.out, dtype, token_ids=ids, is_writer=proc.is_main)
     if proc.is_main:
-        tk.copy_tokenizer_files(cfg.tokenizer, cfg.out)
-    log.log("export", dir=cfg.out, dtype=cfg.export_dtype)
+        tk.copy_tokenizer_files(plan.flags.tokenizer, plan.out)
+    log.log("export", dir=plan.out, dtype=plan.flags.export_dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv)
-    proc = parallel.setup(cfg.device)
-    log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main)
-    log.log("config", **dataclasses.asdict(cfg))
+    parser = make_parser(TrainConfig, "train.py", __doc__)
+    flags = parse_config(TrainConfig, parser, argv)
     try:
-        eval_only(cfg, proc, log) if cfg.eval_only else train(cfg, proc, log)
+        plan = resolve(flags, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as e:  # every problem resolve() finds is one (UsageError, ModelDirError...)
+        parser.error(str(e))
+    proc = parallel.setup(plan.flags.device)
+    log = MetricLogger(os.path.join(plan.out, "metrics.jsonl"), enabled=proc.is_main)
+    record = dataclasses.asdict(plan)
+    log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
+    try:
+        eval_only(plan, proc, log) if plan.flags.eval_only else train(plan, proc, log)
         parallel.finish()
     finally:
         log.close()
@@ -297,6 +293,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FloatingPointError, OSError) as e:  # UsageError, CheckpointError, a full disk...
+    except (ValueError, FloatingPointError, OSError) as e:  # UsageError, CheckpointError, ModelDirError, a full disk
         print_error("train.py", e)
         sys.exit(2)

@@ -51,11 +51,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from minilm_az import lora, parallel  # noqa: E402
-from minilm_az.chat import encode_chat, read_chat_jsonl  # noqa: E402
+from minilm_az.chat import encode_chat  # noqa: E402
 from minilm_az.config import FinetuneConfig  # noqa: E402
 from minilm_az.hf import config_to_hf  # noqa: E402
-from minilm_az.kernels import IGNORE, liger_available, select_ops  # noqa: E402
-from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
+from minilm_az.kernels import liger_available, select_ops  # noqa: E402
+from minilm_az.model import IGNORE, get_preset, materialize, meta_model  # noqa: E402
+from minilm_az.prep.chat_data import read_chat_jsonl  # noqa: E402
 from minilm_az.tokenizer import PAD, train_tokenizer  # noqa: E402
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"

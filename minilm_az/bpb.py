@@ -12,12 +12,12 @@ window length (`seq_len`): a longer window gives each token more context, so com
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from minilm_az.kernels import IGNORE
+from minilm_az.model import IGNORE
 
 
 def bits_per_byte(nll_nats: float, n_bytes: int) -> float:
@@ -49,6 +49,16 @@ def doc_stream(docs: Iterable[list[int]], eos_id: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def rank_batches(items: Sequence, micro_batch: int, rank: int, world_size: int, filler: object) -> list[list]:
+    """This rank's micro-batches of `items`, dealt out in rounds of `micro_batch` x `world_size` items.
+
+    A sharded model needs every rank in each forward. So every rank gets one micro-batch a round, each of
+    exactly `micro_batch` items, and `filler` (an item with no target) takes the place of missing items."""
+    per_round = micro_batch * world_size
+    filled = list(items) + [filler] * (-len(items) % per_round)  # whole rounds
+    return [filled[s : s + micro_batch] for s in range(rank * micro_batch, len(filled), per_round)]
+
+
 @torch.no_grad()
 def total_nll(
     model,
@@ -66,20 +76,17 @@ def total_nll(
 
     `max_windows` caps the windows scored, counted over all ranks, so a capped evaluation scores the same
     tokens on any number of processes; `token_bytes` (bytes per id) counts the exact bytes of the scored
-    targets, which is what a capped evaluation must divide by. Every rank runs the same number of forwards
-    (a sharded model needs all ranks in each one); ranks short of windows run all-IGNORE padding batches.
-    Sum the results over ranks. `progress(done, total)` is called after each batch.
+    targets, which is what a capped evaluation must divide by. Every rank runs the same forwards
+    (`rank_batches`), a rank short of windows an all-IGNORE one. Sum the results over ranks.
+    `progress(done, total)` is called after each batch.
     """
     ws = list(windows(tokens, seq_len))[:max_windows]
-    per_batch = micro_batch * world_size
-    n_batches = math.ceil(len(ws) / per_batch)
-    nll, count, n_bytes = 0.0, 0, 0
     pad = (np.zeros(seq_len, dtype=np.int64), np.full(seq_len, IGNORE, dtype=np.int64))
+    batches = rank_batches(ws, micro_batch, rank, world_size, filler=pad)
+    nll, count, n_bytes = 0.0, 0, 0
     was_training = model.training
     model.eval()
-    for b in range(n_batches):
-        lo = b * per_batch + rank * micro_batch
-        mine = [ws[i] if i < len(ws) else pad for i in range(lo, lo + micro_batch)]
+    for b, mine in enumerate(batches, 1):
         y_np = np.stack([m[1] for m in mine])
         x = torch.from_numpy(np.stack([m[0] for m in mine])).to(device)
         y = torch.from_numpy(y_np).to(device)
@@ -88,6 +95,6 @@ def total_nll(
         if token_bytes is not None:
             n_bytes += int(token_bytes[y_np[y_np != IGNORE]].sum())
         if progress is not None:
-            progress(b + 1, n_batches)
+            progress(b, len(batches))
     model.train(was_training)
     return nll, count, n_bytes

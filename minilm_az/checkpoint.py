@@ -1,10 +1,10 @@
-"""Training checkpoints (DCP): atomic saves, the `latest` pointer, and `resume`, the one call train.py makes.
+"""Training checkpoints (DCP): atomic saves, the `latest` pointer, `resume`, and the loop's `RunControl`.
 
 Checkpoints are written with `torch.distributed.checkpoint` into `step-N.tmp`, renamed into place, then
 pointed at by `latest` (`Checkpointer`, synchronous or in the background); `resume` loads the newest
-complete one that loads, falling back to older ones. Nothing in a checkpoint is unpickled freely: DCP's
-`.metadata` admits only DCP's own classes, everything else loads with weights_only=True. Model weights in
-and out of Hugging Face directories live in hf.py.
+complete one that loads, falling back to older ones; `RunControl` decides when the loop saves and stops.
+Nothing in a checkpoint is unpickled freely: DCP's `.metadata` admits only DCP's own classes, everything
+else loads with weights_only=True. Model weights in and out of Hugging Face directories live in hf.py.
 """
 
 from __future__ import annotations
@@ -13,17 +13,27 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
 import shutil
+import signal
+import time
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minilm_az.hf import CheckpointError
+from minilm_az.logs import MetricLogger
 from minilm_az.outputs import atomic_write_json, atomic_write_text
+from minilm_az.parallel import Process, all_reduce_sum
+
+
+class CheckpointError(ValueError):
+    """A training checkpoint that cannot be written, read or continued; the message names the file."""
+
 
 # ---------------------------------------------------------------- training checkpoints (DCP)
 #
@@ -192,8 +202,6 @@ def latest_checkpoint(ckpt_dir: str | None) -> str | None:
 
 def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None:
     # RNG of this rank, and (rank 0) the run's state: both of the moment the model state is snapshotted.
-    import torch.distributed as dist
-
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -258,8 +266,6 @@ class Checkpointer:
     """
 
     def __init__(self, ckpt_dir: str, rank: int, local_rank: int, keep: int = 2, async_save: bool = True):
-        import torch.distributed as dist
-
         self.ckpt_dir, self.rank, self.local_rank, self.keep = ckpt_dir, rank, local_rank, keep
         self.async_save = async_save
         self._pending = None  # (step, future or None)
@@ -268,8 +274,6 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")  # collective: every rank builds its Checkpointer together
 
     def _barrier(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.barrier(group=self._group)
 
@@ -343,8 +347,6 @@ class Checkpointer:
         """
         if self._pending is None:
             return None
-        import torch.distributed as dist
-
         step, fut = self._pending
         self._pending = None
         error, failed = None, False
@@ -384,13 +386,72 @@ class Checkpointer:
 
     def close(self) -> None:
         """Finalize a pending save (collective), then release the pinned copy and the gloo group."""
-        import torch.distributed as dist
-
         self.finalize()
         self._writer = None  # frees the pinned copy
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             self._group = None
+
+
+# ---------------------------------------------------------------- run control: when the loop saves and stops
+
+
+class RunControl:
+    """When the training loop saves and stops, decided alike on every rank (each calls every method at the same
+    step). It owns the stop signal, the clock and the unpublished save; the Checkpointer alone knows the disk."""
+
+    def __init__(self, checkpointer: Checkpointer, proc: Process, state: dict, every: int, minutes: float, log):
+        self.checkpointer = checkpointer
+        self.proc = proc
+        self.state = state  # the model, the optimizer and the train_state that Checkpointer.save writes
+        self.every = every  # save every N steps (0 turns this off)
+        self.seconds = minutes * 60  # and every N seconds of rank 0's clock (0 turns this off)
+        self.log: MetricLogger = log
+        self.received: int | None = None  # the signal that reached this rank
+        self.stopping = self.clock_due = self.writing = False  # what agree() learned from every rank
+        self.pending: int | None = None  # the step of a save that is not published yet
+        self.last_save = time.monotonic()
+        # Under plain torchrun a spot interruption is a SIGTERM. The handler only takes note; the loop acts.
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "received", signum))
+
+    def agree(self, loss: float, grad_norm: float, step: int) -> float:
+        """The step's loss averaged over ranks, in one all-reduce with the stop signal, rank 0's clock and whether
+        a rank still writes a save. Raises before a non-finite update, naming the last good checkpoint."""
+        clock = self.proc.is_main and 0 < self.seconds <= time.monotonic() - self.last_save
+        flags = [loss, self.received is not None, clock, not self.checkpointer.pending_done()]
+        loss_sum, stopping, clock, writing = all_reduce_sum([float(f) for f in flags], self.proc.device)
+        self.stopping, self.clock_due, self.writing = stopping > 0, clock > 0, writing > 0
+        loss = loss_sum / self.proc.world_size
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same values
+            self.close()  # a save still being written is finished first, because it is the last good one
+            last = latest_checkpoint(self.checkpointer.ckpt_dir) or "none"
+            msg = f"loss {loss} / grad norm {grad_norm} at step {step}: stopped before the update"
+            raise FloatingPointError(f"{msg}; last good checkpoint: {last}")
+        return loss
+
+    def save(self, step: int, last_step: bool = False) -> None:
+        """Save after `step` if due: the last step, a stop signal, the clock, or every N steps. A save written in
+        the background is published once no rank still writes it."""
+        due = last_step or self.stopping or self.clock_due or (self.every > 0 and step % self.every == 0)
+        if self.pending is not None and (due or not self.writing):
+            self._publish()  # a due save first waits for the one before, so one write at most is in flight
+        if due:
+            self.checkpointer.save(step, **self.state)
+            self.pending = step
+            self.last_save = time.monotonic()
+        if self.stopping:
+            number = self.received or int(signal.SIGTERM)  # the ranks the signal did not reach name SIGTERM
+            self.log.info(f"stopped by signal {number} at step {step}; resume with --resume auto")
+
+    def close(self) -> None:
+        """Publish the save still being written, then release the Checkpointer."""
+        if self.pending is not None:
+            self._publish()
+        self.checkpointer.close()
+
+    def _publish(self) -> None:
+        self.log.log("checkpoint", step=self.pending, dir=self.checkpointer.finalize())
+        self.pending = None
 
 
 def _dcp_load(state: dict, path: str) -> None:
@@ -450,8 +511,6 @@ def _on_rank0(fn, rank: int):
 
     Several hosts may see different files (each syncs its own disk); rank 0's view decides.
     """
-    import torch.distributed as dist
-
     box = [None]
     if rank == 0:
         try:
@@ -468,8 +527,6 @@ def _on_rank0(fn, rank: int):
 
 def _first_error(error: str | None) -> str | None:
     """The first rank's load error (None if every rank loaded), known to every rank."""
-    import torch.distributed as dist
-
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()

@@ -16,11 +16,18 @@ CONTAINER_INPUT = "/opt/ml/input/data"  # fixed by SageMaker
 CONTAINER_MODEL = "/opt/ml/model"
 CONTAINER_CHECKPOINTS = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath; SageMaker syncs it with S3
 
-# The recipe (a Llama 3.2 1B, Azerbaijani CPT): phase 1 trains embeddings only, phase 2 everything.
-PHASE_DEFAULTS: dict[int, dict[str, Any]] = {
-    1: {"lr": 0.0032, "steps": 5000},
-    2: {"lr": 0.0024, "steps": 15000},
-}
+
+@dataclass(frozen=True)
+class PhaseRecipe:
+    """One phase of the recipe (a Llama 3.2 1B, Azerbaijani CPT): the defaults of --lr and --steps, and what trains."""
+
+    lr: float
+    steps: int
+    embeddings_only: bool  # phase 1 freezes the backbone, so the new vocabulary adapts to it first
+
+
+PHASE_1 = PhaseRecipe(lr=0.0032, steps=5000, embeddings_only=True)
+PHASE_2 = PhaseRecipe(lr=0.0024, steps=15000, embeddings_only=False)
 
 
 def _f(default: Any, help: str, **meta) -> Any:
@@ -49,8 +56,10 @@ class TrainConfig:
     resume: str = _f(
         "auto", "auto: continue from the newest complete checkpoint; never: start fresh", choices=("auto", "never")
     )
-    steps: int | None = _f(None, "optimizer steps (default: phase 1 5000, phase 2 15000)", lo=1)
-    lr: float | None = _f(None, "peak learning rate (default: phase 1 0.0032, phase 2 0.0024)", lo=0.0, hi=1e6)
+    steps: int | None = _f(None, f"optimizer steps (default: phase 1 {PHASE_1.steps}, phase 2 {PHASE_2.steps})", lo=1)
+    lr: float | None = _f(
+        None, f"peak learning rate (default: phase 1 {PHASE_1.lr}, phase 2 {PHASE_2.lr})", lo=0.0, hi=1e6
+    )
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
     warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0)
     weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)", lo=0.0)
@@ -100,6 +109,25 @@ class TrainConfig:
     export_dtype: str = _f(
         "float32", "dtype of the exported safetensors (bfloat16 halves the size)", choices=("float32", "bfloat16")
     )
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One train.py run, made once from the flags and the number of processes (train.py's resolve), never changed.
+    Where a flag's default depends on the phase, the model or the processes, read the plan's field, not `flags`."""
+
+    flags: TrainConfig  # as the user gave them
+    out: str  # the exported model and metrics.jsonl
+    checkpoint_dir: str  # each phase saves into a folder of its own in here
+    steps: int
+    lr: float
+    warmup: int
+    checkpoint_minutes: float  # 0 turns the checkpoint clock off
+    seq_len: int
+    micro_batch: int
+    fp8_all_gather: bool  # FSDP2 gathers float8 weights (--fp8-all-gather auto is on with several processes)
+    embeddings_only: bool  # phase 1 freezes the backbone, so the new vocabulary adapts to it
+    transfer_vocab: bool  # our vocabulary's embedding rows start from the base model's rows
 
 
 # ---------------------------------------------------------------- finetune.py

@@ -45,10 +45,7 @@ def generate_ids(
     limit = min(len(prompt) + max_new_tokens, model.config.max_seq_len)
     if len(prompt) >= limit:
         raise ValueError(f"prompt of {len(prompt)} tokens leaves no room (max_seq_len={model.config.max_seq_len})")
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(seed)
+    gen = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
     dtype = next(model.parameters()).dtype
     cache = KVCache(model.config, 1, limit, dev, dtype)
     seq, out, pos = list(prompt), [], 0

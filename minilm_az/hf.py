@@ -24,8 +24,8 @@ from minilm_az.parallel import copy_into, full_tensor
 HF_STAGE = "hf-model"  # the stage name save_pretrained records in the output marker
 
 
-class CheckpointError(ValueError):
-    """A model directory or checkpoint that cannot be used; the message names the file and tensor."""
+class ModelDirError(ValueError):
+    """A Hugging Face model directory that cannot be used; the message names the file and the field or tensor."""
 
 
 # ---------------------------------------------------------------- Hugging Face config.json
@@ -35,24 +35,24 @@ def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
     """ModelConfig from a HF Llama config dict; reads both `rope_scaling` and 5.x `rope_parameters`.
 
     Every field is type-checked here ("hidden_size": "64" is refused naming the file and field), so a
-    hand-edited config fails with one CheckpointError, not a TypeError deep inside the model.
+    hand-edited config fails with one ModelDirError, not a TypeError deep inside the model.
     """
     if not isinstance(hf, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+        raise ModelDirError(f"{path}: expected a JSON object, got {type(hf).__name__}")
 
     def integer(key, value, lo=1):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise CheckpointError(f"{path}: field {key!r} must be an integer >= {lo}, got {value!r}")
+            raise ModelDirError(f"{path}: field {key!r} must be an integer >= {lo}, got {value!r}")
         return value
 
     def number(key, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise CheckpointError(f"{path}: field {key!r} must be a positive number, got {value!r}")
+            raise ModelDirError(f"{path}: field {key!r} must be a positive number, got {value!r}")
         return float(value)
 
     def need(key):
         if key not in hf or hf[key] is None:
-            raise CheckpointError(f"{path}: missing field {key!r}")
+            raise ModelDirError(f"{path}: missing field {key!r}")
         return integer(key, hf[key])
 
     def optional(key, default, check=integer):
@@ -60,20 +60,20 @@ def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
 
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise CheckpointError(f"{path}: field 'rope_scaling' must be an object or null, got {rope!r}")
+        raise ModelDirError(f"{path}: field 'rope_scaling' must be an object or null, got {rope!r}")
     theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise CheckpointError(f"{path}: rope type {rope_type!r} is not supported (default or llama3)")
+        raise ModelDirError(f"{path}: rope type {rope_type!r} is not supported (default or llama3)")
     heads = need("num_attention_heads")
     dim = need("hidden_size")
     head_dim = optional("head_dim", None)
     tie = hf.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
-        raise CheckpointError(f"{path}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
+        raise ModelDirError(f"{path}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
     llama3 = rope_type == "llama3"
     if llama3 and "factor" not in rope:
-        raise CheckpointError(f"{path}: llama3 rope_scaling without 'factor'")
+        raise ModelDirError(f"{path}: llama3 rope_scaling without 'factor'")
     return ModelConfig(
         dim=dim,
         n_layers=need("num_hidden_layers"),
@@ -143,15 +143,15 @@ def config_to_hf(
 def read_config(path: str) -> ModelConfig:
     f = os.path.join(path, "config.json")
     if not os.path.isfile(f):
-        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    return config_from_hf(read_json(f, CheckpointError), f)
+        raise ModelDirError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    return config_from_hf(read_json(f, ModelDirError), f)
 
 
 # ---------------------------------------------------------------- safetensors in
 
 
 @contextmanager
-def open_safetensors(file: str, error: type[Exception] = CheckpointError, fix: str = "re-export or re-download it"):
+def open_safetensors(file: str, error: type[Exception] = ModelDirError, fix: str = "re-export or re-download it"):
     """safe_open, with a corrupt or truncated file (or a tensor that cannot be read) as one `error`."""
     try:
         with safe_open(file, framework="pt") as f:
@@ -165,18 +165,18 @@ def weight_files(path: str) -> dict[str, str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        wm = read_json(index, CheckpointError).get("weight_map")
+        wm = read_json(index, ModelDirError).get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise CheckpointError(f"{index}: no 'weight_map'")
+            raise ModelDirError(f"{index}: no 'weight_map'")
         out = {name: os.path.join(path, file) for name, file in wm.items()}
         for file in sorted(set(out.values())):
             if not os.path.isfile(file):
-                raise CheckpointError(f"{index}: shard {os.path.basename(file)} is missing")
+                raise ModelDirError(f"{index}: shard {os.path.basename(file)} is missing")
         return out
     if os.path.isfile(single):
         with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
-    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    raise ModelDirError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
 def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -190,11 +190,11 @@ def iter_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             keys = set(f.keys())
             for name in names:
                 if name not in keys:
-                    raise CheckpointError(f"{file}: no tensor {name!r} (the index names it in this file)")
+                    raise ModelDirError(f"{file}: no tensor {name!r} (the index names it in this file)")
                 try:
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError) as e:
-                    raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e})") from None
+                    raise ModelDirError(f"{file}: tensor {name!r} cannot be read ({e})") from None
                 yield name, tensor
 
 
@@ -202,10 +202,10 @@ def read_tensor(path: str, name: str) -> torch.Tensor:
     """One tensor of a HF directory, read alone."""
     files = weight_files(path)
     if name not in files:
-        raise CheckpointError(f"{path}: no tensor {name!r}")
+        raise ModelDirError(f"{path}: no tensor {name!r}")
     with open_safetensors(files[name]) as f:
         if name not in f.keys():
-            raise CheckpointError(f"{files[name]}: no tensor {name!r} (the index names it in this file)")
+            raise ModelDirError(f"{files[name]}: no tensor {name!r} (the index names it in this file)")
         return f.get_tensor(name)
 
 
@@ -227,10 +227,10 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
         if (name == "lm_head.weight" and model.config.tie_embeddings) or name in overrides:
             continue  # some tied exports still carry the head; the embedding is the one we keep
         if name not in params:
-            raise CheckpointError(f"{path}/{where}: unknown tensor {name!r} (not a Llama weight of this shape)")
+            raise ModelDirError(f"{path}/{where}: unknown tensor {name!r} (not a Llama weight of this shape)")
         p = params[name]
         if tuple(tensor.shape) != tuple(p.shape):
-            raise CheckpointError(
+            raise ModelDirError(
                 f"{path}/{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(p.shape)} (config.json disagrees with weights)"
             )
@@ -243,7 +243,7 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:
-        raise CheckpointError(
+        raise ModelDirError(
             f"{path}: missing tensor(s) {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
@@ -286,7 +286,7 @@ def save_pretrained(
     inside `path` and moved in (outputs.staged_output), so `path` may be a mount point.
     """
     if any("lora_" in n for n, _ in model.named_parameters()):
-        raise CheckpointError(
+        raise ModelDirError(
             "save_pretrained got a model with LoRA adapters: merge them first (lora.merge_lora) "
             "or save the adapter with lora.save_adapter"
         )

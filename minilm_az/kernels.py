@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100  # the target the losses skip: padding, and every chat token that is not the assistant's
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and cast back before the weight, as HF's LlamaRMSNorm does.
@@ -95,10 +93,10 @@ def chunked_linear_cross_entropy(
     w: torch.Tensor,
     targets: torch.Tensor,
     reduction: str = "mean",
-    ignore_index: int = IGNORE,
+    ignore_index: int = -100,
     chunk: int = 2048,
 ) -> torch.Tensor:
-    """CE(h @ w.T, targets): mean over non-ignored targets, or the sum (nats) with reduction="sum"."""
+    """CE(h @ w.T, targets) as F.cross_entropy gives it (same default ignore_index): the mean, or the sum (nats)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk, torch.is_grad_enabled())
@@ -137,7 +135,7 @@ def _liger_ops() -> Ops:
             cos, sin = cos[None], sin[None]
         return liger_rope(q, k, cos, sin)
 
-    def l_flce(h, w, targets, reduction="mean", ignore_index=IGNORE):
+    def l_flce(h, w, targets, reduction="mean", ignore_index=-100):
         # fp32 accumulation of the head gradient: bf16 sums over 100k rows x many chunks drift.
         return liger_fused_linear_cross_entropy(
             h, w, targets, ignore_index=ignore_index, reduction=reduction, accum_dtype=torch.float32

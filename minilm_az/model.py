@@ -15,9 +15,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import flex_attention as flex
 
 from minilm_az.kernels import TORCH_OPS, Ops
 from minilm_az.parallel import copy_into
+
+IGNORE = -100  # the target the loss skips: padding, and every chat token that is not the assistant's
+
+# The attention mask of one forward, built once in `Llama.hidden_states` and shared by every layer. None is
+# plain causal attention, a boolean tensor (True: attend) goes to SDPA, a flex BlockMask goes to flex attention.
+Mask = torch.Tensor | flex.BlockMask | None
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,8 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N_non-embedding + 6·dim·vocab (head) + 12·layers·dim·seq (attention)."""
-        return (
-            6 * self.num_params(embedding=False)
-            + 6 * self.dim * self.vocab_size
-            + 12 * self.n_layers * self.dim * seq_len
-        )
+        attention = 12 * self.n_layers * self.dim * seq_len
+        return 6 * self.num_params(embedding=False) + 6 * self.dim * self.vocab_size + attention
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,12 +108,8 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
     if cfg.rope_factor is None:
         return inv_freq.float()
-    factor, lo, hi, old = (
-        cfg.rope_factor,
-        cfg.rope_low_freq_factor,
-        cfg.rope_high_freq_factor,
-        cfg.rope_original_max_seq_len,
-    )
+    factor, old = cfg.rope_factor, cfg.rope_original_max_seq_len
+    lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended.
     scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
@@ -157,23 +157,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, pos: int = 0, docs=None):
+    def forward(self, x, cos, sin, mask: Mask = None, cache: KVCache | None = None, pos: int = 0):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.ops.apply_rope(q, k, cos, sin)
-        gqa = self.n_kv_heads != self.n_heads
-        if docs is not None and not isinstance(docs, torch.Tensor):  # a flex BlockMask (CUDA)
-            y = flex_attention()(q, k, v, block_mask=docs, enable_gqa=gqa)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-        mask, causal = docs, docs is None  # docs: a (B, 1, T, T) boolean block-diagonal causal mask
-        if cache is not None:
+        if cache is not None:  # the new tokens attend to the cached ones too
             k, v = cache.update(self.layer_idx, pos, k, v)
-            if pos > 0:  # queries at pos..pos+T-1 see every cached key up to their own position
-                causal = False
-                mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        gqa = self.n_kv_heads != self.n_heads
+        if isinstance(mask, flex.BlockMask):
+            y = flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -197,8 +193,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
         self.mlp = MLP(cfg, ops)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, pos: int = 0, docs=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, docs)
+    def forward(self, x, cos, sin, mask: Mask = None, cache: KVCache | None = None, pos: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -208,8 +204,8 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops = TORCH_OPS):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        # A ModuleDict keyed "0".."N-1" names weights exactly like a ModuleList but lets
-        # activation checkpointing / compile swap a block in place.
+        # Keys "0".."N-1" give each weight Hugging Face's name (`model.layers.3.mlp...`), as a ModuleList would.
+        # parallel.py and the tests find a block by its key, so a switch to a ModuleList must change them too.
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, ops) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, ops)
 
@@ -264,18 +260,21 @@ class Llama(nn.Module):
         T = input_ids.shape[1]
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        x = self.model.embed_tokens(input_ids)
-        docs = None
-        if doc_ids is None:
-            cos, sin = self.rope(T, pos)
-        elif cache is not None:
+        if doc_ids is not None and cache is not None:
             raise ValueError("packed rows (doc_ids) are for training; generation takes one conversation a row")
-        else:
+        x = self.model.embed_tokens(input_ids)
+        if doc_ids is not None:  # Packed rows. A token sees only its own document, whose positions start at 0.
             cos, sin = self.rope(T, positions=doc_positions(doc_ids))
-            docs = doc_mask(doc_ids)  # built once, shared by every layer
+            mask = doc_mask(doc_ids)
+        elif cache is not None and pos > 0:  # Generation. A new token sees the cached ones and itself.
+            cos, sin = self.rope(T, pos)
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+        else:  # One sequence a row. SDPA's causal attention needs no mask.
+            cos, sin = self.rope(T, pos)
+            mask = None
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.model.layers.values():
-            x = block(x, cos, sin, cache, pos, docs)
+            x = block(x, cos, sin, mask, cache, pos)
         return self.model.norm(x)
 
     def forward(
@@ -287,18 +286,19 @@ class Llama(nn.Module):
         reduction: str = "mean",
         doc_ids: torch.Tensor | None = None,
     ):
-        """Logits (B, T, V), or the loss when `targets` (already shifted; -100 ignored) is given.
+        """Logits (B, T, V), or the loss when `targets` (already shifted, IGNORE skipped) is given.
 
         The loss goes through `ops.linear_cross_entropy`, which never materialises the full logits.
         `reduction="sum"` returns the summed NLL in nats (for bits-per-byte). `doc_ids` (B, T) makes each
         row a pack of documents: a token attends only to earlier tokens of its own document (same id, one
-        contiguous run), and RoPE positions restart at 0 at each document's first token.
+        contiguous run), and RoPE positions restart at 0 at each document's first token. Generation passes
+        a `cache` instead, and `pos`, the position of the first token of `input_ids`.
         """
         h = self.hidden_states(input_ids, cache, pos, doc_ids)
         if targets is None:
             return self.lm_head(h)
         return self.ops.linear_cross_entropy(
-            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction=reduction
+            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), reduction=reduction, ignore_index=IGNORE
         )
 
 
@@ -316,15 +316,14 @@ def doc_mask(doc_ids: torch.Tensor):
     On CUDA a flex-attention BlockMask (blocks wholly outside every document are skipped, so a row costs
     what its documents cost); elsewhere a (B, 1, T, T) boolean mask for SDPA.
     """
-    if doc_ids.is_cuda:
-        from torch.nn.attention.flex_attention import create_block_mask
+    if not doc_ids.is_cuda:
+        return doc_mask_dense(doc_ids)
 
-        def same_doc_causal(b, h, q, k):
-            return (doc_ids[b, q] == doc_ids[b, k]) & (k <= q)
+    def same_doc_causal(b, h, q, k):
+        return (doc_ids[b, q] == doc_ids[b, k]) & (k <= q)
 
-        B, T = doc_ids.shape
-        return create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
-    return doc_mask_dense(doc_ids)
+    B, T = doc_ids.shape
+    return flex.create_block_mask(same_doc_causal, B, None, T, T, device=doc_ids.device)
 
 
 def doc_mask_dense(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -337,9 +336,7 @@ def doc_mask_dense(doc_ids: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def flex_attention():
     """flex_attention compiled once (uncompiled it runs a slow reference that materialises the scores)."""
-    from torch.nn.attention.flex_attention import flex_attention as flex
-
-    return torch.compile(flex)
+    return torch.compile(flex.flex_attention)
 
 
 def meta_model(cfg: ModelConfig, ops: Ops = TORCH_OPS) -> Llama:

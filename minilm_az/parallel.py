@@ -190,8 +190,8 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=True)
 
 
-def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: int, fast_accum: bool = False) -> str:
-    """Refuse --fp8 where it cannot run; resolve --fp8-all-gather auto. Returns "true" or "false".
+def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: int, fast_accum: bool = False) -> bool:
+    """Refuse --fp8 where it cannot run; returns whether FSDP2 gathers float8 weights (--fp8-all-gather).
 
     Float8 matmuls need a GPU with float8 tensor cores (compute capability 8.9+) and torchao, and
     `--compile`: uncompiled, the casts to float8 are separate kernels that cost more than the matmuls save.
@@ -199,7 +199,7 @@ def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: i
     if recipe == "none":
         if fast_accum:
             raise ValueError("--fp8-fast-accum needs --fp8 tensorwise or rowwise")
-        return "false"
+        return False
     device = resolve_device(device)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if cap is None or cap < (8, 9):
@@ -214,8 +214,8 @@ def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: i
     if all_gather == "true" and recipe != "tensorwise":
         raise ValueError("--fp8-all-gather true needs --fp8 tensorwise (torchao gathers only tensorwise weights)")
     if all_gather == "auto":  # slower on one GPU (bench/RESULTS.md); it halves the all-gather bytes on several
-        return "true" if recipe == "tensorwise" and world > 1 else "false"
-    return all_gather
+        return recipe == "tensorwise" and world > 1
+    return all_gather == "true"
 
 
 def fp8_pays(recipe: str, linear: nn.Linear) -> bool:

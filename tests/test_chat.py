@@ -5,15 +5,9 @@ import os
 
 import pytest
 
-from minilm_az.chat import (
-    IGNORE,
-    ChatFormatError,
-    NothingToTrain,
-    encode_chat,
-    encode_prompt,
-    read_chat_jsonl,
-    validate_messages,
-)
+from minilm_az.chat import ChatFormatError, NothingToTrain, encode_chat, encode_prompt, validate_messages
+from minilm_az.model import IGNORE
+from minilm_az.prep.chat_data import read_chat_jsonl
 from minilm_az.tokenizer import EOT, encode_plain, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from minilm_az.hf import CheckpointError, load_pretrained, read_config, save_pretrained
+from minilm_az.hf import ModelDirError, load_pretrained, read_config, save_pretrained
 from minilm_az.model import ModelConfig, build_model
 
 transformers = pytest.importorskip("transformers")
@@ -131,7 +131,7 @@ def test_transformers5_rope_parameters_dialect(tmp_path):
 
 
 def test_bad_checkpoints_name_file_and_tensor(tmp_path):
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(ModelDirError, match="no config.json"):
         load_pretrained(str(tmp_path))
     ours = build_model(TINY, seed=6)
     d = tmp_path / "m"
@@ -142,19 +142,19 @@ def test_bad_checkpoints_name_file_and_tensor(tmp_path):
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
 
     write({k: v for k, v in sd.items() if k != "model.layers.1.mlp.down_proj.weight"})
-    with pytest.raises(CheckpointError, match="missing tensor.*model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(ModelDirError, match="missing tensor.*model.layers.1.mlp.down_proj.weight"):
         load_pretrained(str(d))
     write({**sd, "model.layers.9.self_attn.q_proj.weight": torch.zeros(2, 2)})
-    with pytest.raises(CheckpointError, match="model.safetensors: unknown tensor 'model.layers.9"):
+    with pytest.raises(ModelDirError, match="model.safetensors: unknown tensor 'model.layers.9"):
         load_pretrained(str(d))
     write({**sd, "model.norm.weight": torch.ones(63)})
-    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has shape \(63,\).*expects \(64,\)"):
+    with pytest.raises(ModelDirError, match=r"'model.norm.weight' has shape \(63,\).*expects \(64,\)"):
         load_pretrained(str(d))
     os.remove(d / "model.safetensors")
-    with pytest.raises(CheckpointError, match="no model.safetensors"):
+    with pytest.raises(ModelDirError, match="no model.safetensors"):
         load_pretrained(str(d))
     save_pretrained(ours, str(d), max_shard_bytes=60_000)
     shard = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[0]
     os.remove(d / shard)
-    with pytest.raises(CheckpointError, match=f"shard {shard} is missing"):
+    with pytest.raises(ModelDirError, match=f"shard {shard} is missing"):
         load_pretrained(str(d))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from minilm_az import parallel
 from minilm_az.checkpoint import (
     Checkpointer,
+    CheckpointError,
     complete_checkpoints,
     is_complete,
     latest_checkpoint,
@@ -23,7 +24,6 @@ from minilm_az.checkpoint import (
     read_train_state,
     resume,
 )
-from minilm_az.hf import CheckpointError
 from minilm_az.model import ModelConfig, materialize, meta_model
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=64)

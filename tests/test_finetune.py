@@ -221,7 +221,7 @@ def test_flags_accept_sagemaker_strings_and_channels(monkeypatch, tmp_path):
 
 
 def test_data_directory_layout_is_explicit_and_every_match_is_used(tmp_path):
-    from minilm_az.chat import chat_files
+    from minilm_az.prep.chat_data import chat_files
 
     d = tmp_path / "d"
     d.mkdir()

@@ -11,12 +11,12 @@ import torch
 
 import finetune  # the root script (pytest puts the repo root on sys.path)
 from minilm_az import lora, parallel
-from minilm_az.chat import encode_chat, micro_batches, pack_rows, read_chat_jsonl
+from minilm_az.chat import encode_chat, micro_batches, pack_rows
 from minilm_az.config import FinetuneConfig
 from minilm_az.hf import save_pretrained
-from minilm_az.kernels import IGNORE
 from minilm_az.logs import MetricLogger
-from minilm_az.model import build_model, doc_positions, get_preset
+from minilm_az.model import IGNORE, build_model, doc_positions, get_preset
+from minilm_az.prep.chat_data import read_chat_jsonl
 from minilm_az.tokenizer import PAD, copy_tokenizer_files, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
