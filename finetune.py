@@ -43,10 +43,10 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     cfg = parse_config(FinetuneConfig, p, argv)
     if not cfg.model:
         p.error("--model is required (the HF-format base model directory)")
-    if not os.path.isdir(cfg.model):
-        p.error(f"--model {cfg.model}: no such directory")
     cfg.tokenizer = cfg.tokenizer or cfg.model
     if cfg.chat or cfg.prompt:
+        if not os.path.isdir(cfg.model):
+            p.error(f"--model {cfg.model}: no such directory")
         if cfg.adapter and os.path.isfile(os.path.join(cfg.model, MERGED_MARK)):
             p.error(f"--model {cfg.model} is a merged model (it holds an adapter already): drop --adapter")
         return cfg
@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     try:
         world = int(os.environ.get("WORLD_SIZE", 1))
         cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=4)
+        parallel.check_replicate(cfg.replicate, world)
     except ValueError as e:
         p.error(str(e))
     return cfg
@@ -130,9 +131,8 @@ def build(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger):
     row_len = min(cfg.max_seq_len, model.config.max_seq_len)
     packed = dict(tokens_per_forward=cfg.max_tokens_per_forward or cfg.micro_batch * row_len) if cfg.packing else {}
     log.log("batch", world=proc.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
-    parallel.parallelize(
-        model, mixed_precision=proc.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, shard=proc.world_size > 1
-    )
+    sharding = dict(shard=proc.world_size > 1, replicate=cfg.replicate)  # one process: no FSDP (see parallelize)
+    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda", ac=cfg.ac, compile=cfg.compile, **sharding)
     materialize(model, proc.device, init=False)
     load_weights_into(model, cfg.model)
     lora.reset_lora_parameters(model, seed=cfg.seed)
@@ -160,9 +160,9 @@ def train_step(model, batch: list, params: list, cfg: FinetuneConfig, proc, pad_
     n_targets = sum(sum(x != IGNORE for x in lab[1:]) for _, lab in batch)
     nll = 0.0
     budget = cfg.max_tokens_per_forward
-    for x, y, doc_ids in micro_batches(
-        batch, proc.rank, proc.world_size, cfg.micro_batch, pad_id, proc.device, row_len, budget
-    ):
+    mine = micro_batches(batch, proc.rank, proc.world_size, cfg.micro_batch, pad_id, proc.device, row_len, budget)
+    for i, (x, y, doc_ids) in enumerate(mine):
+        parallel.sync_gradients(model, i == len(mine) - 1)  # every rank has as many; the last one reduces
         loss_sum = model(x, targets=y, reduction="sum", doc_ids=doc_ids)
         # FSDP averages gradients over ranks: scaling by world size makes the step the mean over every target
         # token of the global batch, however it is split.
@@ -175,15 +175,23 @@ def train_step(model, batch: list, params: list, cfg: FinetuneConfig, proc, pad_
 # ---------------------------------------------------------------- train
 
 
-def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> None:
-    torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
+def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
+    """The tokenizer (checked against the model), the longest conversation, and the encoded conversations."""
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"--model {cfg.model}: no such directory")
     check_model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer")
     tok, mcfg = load_tokenizer(cfg.tokenizer), read_config(cfg.model)
     if tok.get_vocab_size() > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} only {mcfg.vocab_size} rows")
     log.log("config", **dataclasses.asdict(cfg))
     max_len = min(cfg.max_seq_len, mcfg.max_seq_len)
-    examples, val = load_data(cfg, tok, max_len, log)
+    return tok, max_len, *load_data(cfg, tok, max_len, log)
+
+
+def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> None:
+    torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
+    # The inputs are checked on every host, and a problem on one host stops them all with its reason.
+    tok, max_len, examples, val = parallel.agree(lambda: load_inputs(cfg, log), proc)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, proc, log)

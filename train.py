@@ -56,6 +56,7 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
     if seq_len > context:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
     micro_batch, _ = parallel.split_batch(flags.global_batch, world, flags.micro_batch, largest=14)
+    parallel.check_replicate(flags.replicate, world)
     fp8_all_gather = parallel.check_fp8(
         flags.fp8, flags.fp8_all_gather, flags.compile, flags.device, world, flags.fp8_fast_accum
     )
@@ -115,8 +116,7 @@ def build(plan: TrainPlan, proc: parallel.Process, vocab_size: int, log: MetricL
             base_tok = tk.load_tokenizer(flags.base_tokenizer)
             heads = ["model.embed_tokens.weight"] + ([] if mcfg.tie_embeddings else ["lm_head.weight"])
             for name in heads:
-                base_rows = read_tensor(flags.base_model, name)
-                rows, stats = transfer_embedding(base_rows, base_tok, tok, vocab_size)
+                rows, stats = transfer_embedding(read_tensor(flags.base_model, name), base_tok, tok, vocab_size)
                 log.log("vocab_transfer", tensor=name, **dataclasses.asdict(stats), new_vocab=vocab_size)
                 overrides[name] = rows
             mcfg = mcfg.with_vocab(vocab_size)
@@ -127,7 +127,8 @@ def build(plan: TrainPlan, proc: parallel.Process, vocab_size: int, log: MetricL
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
     fp8 = dict(fp8=flags.fp8, fp8_all_gather=plan.fp8_all_gather, fp8_fast_accum=flags.fp8_fast_accum)
-    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda", ac=flags.ac, compile=flags.compile, **fp8)
+    cuda, replicate = proc.device.type == "cuda", flags.replicate
+    parallel.parallelize(model, mixed_precision=cuda, ac=flags.ac, compile=flags.compile, replicate=replicate, **fp8)
     materialize(model, proc.device, seed=flags.seed, init=not flags.base_model)
     if flags.base_model:
         load_weights_into(model, flags.base_model, overrides)
@@ -183,7 +184,8 @@ def train_step(model, optimizer, stream: BatchStream, step: int, params: list, p
     """Forward and backward over this rank's micro-batches of `step`; returns (mean loss here, grad norm)."""
     set_lr(optimizer, cosine_lr(step, plan.lr, plan.warmup, plan.steps, plan.flags.min_lr_ratio))
     loss_sum = torch.zeros((), device=proc.device)
-    for x, y in stream.micro_batches(step, proc.device):
+    for i, (x, y) in enumerate(stream.micro_batches(step, proc.device)):
+        parallel.sync_gradients(model, i == stream.accum_steps - 1)  # one reduce-scatter a step, after the last
         loss = model(x, targets=y) / stream.accum_steps
         loss.backward()
         loss_sum += loss.detach()
@@ -217,7 +219,7 @@ def run_identity(plan: TrainPlan, model) -> tuple[dict, dict]:
 def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     """Inputs, model, resume; then each step trains, logs, evaluates and checkpoints; then the export."""
     flags = plan.flags
-    tok, stream, val = load_inputs(plan, proc)
+    tok, stream, val = parallel.agree(lambda: load_inputs(plan, proc), proc)
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(model, plan.lr, (flags.beta1, flags.beta2), flags.weight_decay, proc.device.type == "cuda")
@@ -272,21 +274,20 @@ def export(model, plan: TrainPlan, tok, proc: parallel.Process, log: MetricLogge
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser(TrainConfig, "train.py", __doc__)
-    flags = parse_config(TrainConfig, parser, argv)
+    flags = parse_config(TrainConfig, make_parser(TrainConfig, "train.py", __doc__), argv)
+    proc = parallel.setup(flags.device)
     try:
-        plan = resolve(flags, int(os.environ.get("WORLD_SIZE", 1)))
-    except ValueError as e:  # every problem resolve() finds is one (UsageError, ModelDirError...)
-        parser.error(str(e))
-    proc = parallel.setup(plan.flags.device)
-    log = MetricLogger(os.path.join(plan.out, "metrics.jsonl"), enabled=proc.is_main)
-    record = dataclasses.asdict(plan)
-    log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
-    try:
-        eval_only(plan, proc, log) if plan.flags.eval_only else train(plan, proc, log)
-        parallel.finish()
+        # The paths are checked on every host, and a problem on one host stops them all with its reason.
+        plan = parallel.agree(lambda: resolve(flags, proc.world_size), proc)
+        log = MetricLogger(os.path.join(plan.out, "metrics.jsonl"), enabled=proc.is_main)
+        record = dataclasses.asdict(plan)
+        log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
+        try:
+            eval_only(plan, proc, log) if plan.flags.eval_only else train(plan, proc, log)
+            parallel.finish()
+        finally:
+            log.close()
     finally:
-        log.close()
         parallel.teardown()
 
 

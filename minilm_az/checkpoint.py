@@ -57,16 +57,10 @@ def _step_dir(ckpt_dir: str, step: int) -> str:
 _METADATA_GLOBALS = {
     *(
         ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        )
+        for name in [
+            *("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata"),
+            *("ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"),
+        ]
     ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),

@@ -93,6 +93,7 @@ class TrainConfig:
     liger: bool = _f(True, "Liger fused kernels on CUDA (RMSNorm, RoPE, SwiGLU, fused linear CE)")
     compile: bool = _f(False, "torch.compile each transformer block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
+    replicate: int = _f(1, "HSDP: N copies of the model, each sharded over processes / N (one host)", lo=1)
     fp8: str = _f(
         "none",
         "float8 matmuls in the blocks' linears, rowwise only the large ones (torchao; CUDA 8.9+, with --compile)",
@@ -189,6 +190,7 @@ class FinetuneConfig:
     liger: bool = _f(True, "Liger's fused kernels on CUDA")
     compile: bool = _f(False, "torch.compile each block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
+    replicate: int = _f(1, "HSDP: N copies of the model, each sharded over processes / N (one host)", lo=1)
     chat: bool = _f(False, "no training: interactive chat on stdin with --model (+ --adapter)")
     prompt: str | None = _f(None, "no training: one user message, print the reply and exit")
     adapter: str | None = _f(None, "adapter dir for --chat/--prompt")

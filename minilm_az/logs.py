@@ -119,8 +119,11 @@ def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
 
 
 def print_error(prog: str, error: BaseException) -> None:
-    """Print `prog: error: message` on stderr. Under torchrun only rank 0 prints, so it appears once."""
-    if os.environ.get("RANK", "0") in ("", "0"):
+    """Print `prog: error: message` on stderr, once on each host: under torchrun only local rank 0 prints.
+
+    Each host has a log of its own on SageMaker, so every host says why the job stopped.
+    """
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
         print(f"{prog}: error: {error}", file=sys.stderr)
 
 

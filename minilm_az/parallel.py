@@ -11,13 +11,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,11 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def setup(device: str = "auto", timeout_min: int = 30) -> Process:
+def setup(device: str = "auto", timeout_min: int = 10) -> Process:
     """Join the torchrun process group (or make a one-process group), bind this rank's GPU.
+
+    A collective that waits longer than `timeout_min` fails. On NCCL a peer that died on another host is
+    otherwise noticed only after torch's default of 30 minutes, which a user sees as a hang.
 
     A group is made even for one process, so training is one code path: FSDP2 over a mesh of any size.
     """
@@ -122,6 +130,40 @@ def split_batch(global_batch: int, world_size: int, micro_batch: int | None, lar
             f"= {micro_batch} x {world_size}"
         )
     return micro_batch, share // micro_batch
+
+
+def check_replicate(replicate: int, world_size: int) -> None:
+    """HSDP keeps `replicate` copies of the sharded model, so the processes must split into that many groups."""
+    if world_size % replicate:
+        raise ValueError(f"--replicate {replicate} must divide the number of processes ({world_size})")
+
+
+def agree(check: Callable[[], T], proc: Process) -> T:
+    """Run `check` on every rank. If it raised a ValueError or OSError anywhere, every rank raises one.
+
+    A problem that only one host has (a missing channel, a checkpoint dir it cannot write) would otherwise
+    stop that host while the others wait in the next collective, and their logs would show only a lost peer.
+    When every rank found the same problem the message is the plain one; otherwise it names the rank and host.
+    """
+    try:
+        result, error = check(), None
+    except (ValueError, OSError) as e:
+        result, error = None, e
+    if proc.world_size == 1 and error is not None:
+        raise error
+    if proc.world_size == 1:
+        return result
+    reports: list = [None] * proc.world_size
+    host = os.environ.get("SM_CURRENT_HOST") or socket.gethostname()
+    dist.all_gather_object(reports, (str(error) if error else None, host))
+    failed = [(rank, message, where) for rank, (message, where) in enumerate(reports) if message]
+    if not failed:
+        return result
+    if error is not None and len(failed) == proc.world_size and {m for _, m, _ in failed} == {str(error)}:
+        raise error
+    rank, message, where = failed[0]
+    more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+    raise ValueError(f"rank {rank} on {where}{more}: {message}")
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
@@ -269,12 +311,16 @@ def fp8_scale_hook(model: nn.Module, optimizer: torch.optim.Optimizer, on: bool)
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
-def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: bool = True, replicate: int = 1) -> None:
     """FSDP2: `fully_shard` each block, then the root (embeddings, final norm, head).
 
     On GPU the compute copy of the weights is bf16, cast once per all-gather, with gradients reduced
     in fp32; on CPU (gloo, tests) everything stays fp32.
+
+    With `replicate` N > 1 (HSDP) the mesh is (N, world / N): a shard group is world / N consecutive ranks, one
+    host under torchrun, so all-gathers and reduce-scatters stay in a host and one gradient all-reduce crosses hosts.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
@@ -282,11 +328,23 @@ def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: b
         if mixed_precision
         else MixedPrecisionPolicy()
     )
+    mesh = None  # FSDP2's default, all ranks in one shard group
+    if replicate > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        shape = (replicate, dist.get_world_size() // replicate)
+        mesh = init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
     blocks = list(model.model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is resharded right away by the root's backward anyway; keeping it saves a gather.
-        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> None:
+    """Turn FSDP's gradient reduction on or off for the next backward. Off, the gradients add up in a full-size fp32
+    buffer until a backward with it on reduces them once. On one process that buffer would only cost memory."""
+    if hasattr(model, "set_requires_gradient_sync") and dist.get_world_size() > 1:
+        model.set_requires_gradient_sync(sync)
 
 
 def parallelize(
@@ -300,6 +358,7 @@ def parallelize(
     fp8_fast_accum: bool = False,
     shard: bool = True,
     reshard_after_forward: bool = True,
+    replicate: int = 1,
 ) -> nn.Module:
     """Apply float8 linears, activation checkpointing, compile and FSDP2 to a (meta-device) model, in that order.
 
@@ -312,5 +371,5 @@ def parallelize(
     if compile:
         apply_compile(model)
     if shard:
-        apply_fsdp(model, mixed_precision, reshard_after_forward)
+        apply_fsdp(model, mixed_precision, reshard_after_forward, replicate)
     return model

@@ -93,3 +93,32 @@ def project(tmp_path):
     (root / "runs" / "old").mkdir(parents=True)
     (root / "runs" / "old" / "model.safetensors").write_bytes(b"\0" * 1024)
     return root
+
+
+@pytest.fixture(scope="session")
+def container_shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
+    """Token shards of data/az's django.txt and mediawiki.txt with the small tokenizer, 10 % val (the shards the
+    container replays train on: tests/test_sm_container.py builds the same ones for its module)."""
+    import functools
+
+    from minilm_az.shards import write_shards
+    from minilm_az.tokenizer import EOS, encode_plain, load_tokenizer, tokenizer_hash
+
+    tok = load_tokenizer(small_tokenizer_dir)
+    docs = [
+        ln.strip()
+        for name in ("django.txt", "mediawiki.txt")
+        for ln in (ROOT / "data" / "az" / name).read_text(encoding="utf-8").splitlines()
+        if ln.strip()
+    ]
+    out = str(tmp_path_factory.mktemp("container_shards") / "shards")
+    write_shards(
+        docs,
+        out,
+        functools.partial(encode_plain, tok),
+        tok.get_vocab_size(),
+        tok.token_to_id(EOS),
+        tokenizer_hash(small_tokenizer_dir),
+        val_fraction=0.1,
+    )
+    return out

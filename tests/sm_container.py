@@ -46,6 +46,18 @@ pip-installed (the drivers' install_requirements.py becomes a stub that checks t
 an `nvidia-smi` on PATH reports `nproc` GPUs, so the Torchrun driver starts `nproc` processes per host
 (torch still finds no CUDA and trains on the CPU).
 
+Several hosts (`replay(..., hosts=N)` or `replay_job`): one view per instance under WORKDIR/algo-K, built
+as above with resourceconfig.json naming algo-K among algo-1..algo-N, every channel downloaded to every host
+(FullyReplicated), each host its own /opt/ml/model mount and checkpoint LocalPath. The hosts start together,
+each under its own mount, UTS and PID namespaces, all in one private network namespace where every algo-K is
+127.0.0.1 (each host's /etc/hosts), so the toolkit's own line `torchrun --nnodes N --nproc_per_node P
+--master_addr algo-1 --master_port 7777 --node_rank K-1` (3.x's driver: the same as `--key=value`) meets at
+algo-1's port 7777 unchanged. Where --net is not permitted the hosts share this machine's network and the
+master port is a free one (logged). Triggers kill a host's whole process tree or call back when a log line
+appears or after some seconds; a job past its timeout is killed and returned as timed out. With
+`checkpoints` (tests/s3_sync.py's simulated S3 prefix) every host's LocalPath starts as the whole prefix, and
+each host's uploads happen when the test calls its agent.
+
 This module's top level needs only the standard library: `replay` copies it into the job's directory and
 runs it there as the driver (`python sm_container.py --driver SPEC`).
 """
@@ -57,6 +69,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -64,9 +77,13 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # the driver runs this file alone, with the standard library only
+    from s3_sync import HostSync, S3Prefix
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "minilm-az-container-test"
@@ -203,15 +220,26 @@ def _under_opt_ml(path: str) -> str:
     return rel
 
 
-def prepare(session: Any, request: dict, workdir: str | Path) -> Path:
-    """Write WORKDIR/opt_ml (what /opt/ml holds when the toolkit starts) and WORKDIR/harness; returns opt_ml."""
+def prepare(
+    session: Any, request: dict, workdir: str | Path, *, host: str = HOST, hosts: Sequence[str] = (HOST,)
+) -> Path:
+    """Write WORKDIR/opt_ml (what /opt/ml holds when the toolkit starts) and WORKDIR/harness; returns opt_ml.
+
+    `host` is the instance this view is for, `hosts` all the job's instances (resourceconfig.json's list).
+    """
     workdir = Path(workdir)
     root, harness = workdir / "opt_ml", workdir / "harness"
     if root.exists():
         raise HarnessError(f"{root} exists: one replay per workdir")
     rc = request["ResourceConfig"]
-    if rc.get("InstanceCount", 1) != 1:
-        raise HarnessError("the replay simulates one instance; launch with --instance-count 1")
+    if rc.get("InstanceCount", 1) != len(hosts):
+        if len(hosts) == 1:
+            raise HarnessError("the replay simulates one instance; launch with --instance-count 1")
+        raise HarnessError(
+            f"the request asks for {rc.get('InstanceCount', 1)} instances; the replay has {len(hosts)} hosts"
+        )
+    if host not in hosts:
+        raise HarnessError(f"{host} is not one of the job's hosts {list(hosts)}")
     itype = rc["InstanceType"]
     cfg = root / "input" / "config"
     for d in (cfg, root / "input" / "data", root / "code", root / "model", root / "output" / "data", harness):
@@ -220,12 +248,14 @@ def prepare(session: Any, request: dict, workdir: str | Path) -> Path:
     _write_json(
         cfg / "resourceconfig.json",
         {
-            "current_host": HOST,
+            "current_host": host,
             "current_instance_type": itype,
             "current_group_name": "homogeneousCluster",
-            "hosts": [HOST],
+            "hosts": list(hosts),
             "network_interface_name": "eth0",
-            "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": itype, "hosts": [HOST]}],
+            "instance_groups": [
+                {"instance_group_name": "homogeneousCluster", "instance_type": itype, "hosts": list(hosts)}
+            ],
         },
     )
     channels = request.get("InputDataConfig") or []
@@ -345,6 +375,9 @@ class ContainerRun:
     isolation: str  # "namespace" or "patched"
     seconds: float
     sdk: str = "v2"  # which SDK line's request: "v2" ran the image's toolkit, "v3" its own sm_train.sh
+    host: str = HOST  # which instance of the job this was (resourceconfig.json's current_host)
+    killed: bool = False  # the harness SIGKILLed it (a trigger, or the job's timeout): its /opt/ml/model is lost
+    frozen: bool = False  # a trigger SIGSTOPped it (an instance gone silent) before it was killed
 
     @property
     def failure(self) -> str | None:
@@ -381,7 +414,9 @@ class ContainerRun:
     def explain(self, tail: int = 6000) -> str:
         """A summary for assertion messages: statuses, the command, the files, the end of the log."""
         return (
-            f"container exit {self.returncode}, program exit {self.program_returncode}, "
+            f"{self.host}: container exit {self.returncode}{' (frozen)' if self.frozen else ''}"
+            f"{' (killed)' if self.killed else ''}, "
+            f"program exit {self.program_returncode}, "
             f"isolation {self.isolation}, {self.seconds:.1f} s\ncommand: {' '.join(self.command or ['?'])}\n"
             f"/opt/ml/model: {self.model_files()}\ncheckpoints: {self.checkpoint_files()}\n"
             f"--- log tail ---\n{self.program_log()[-tail:]}"
@@ -470,13 +505,33 @@ def replay(
     nproc: int = 2,
     timeout: float = 300,
     program: list[str] | None = None,
-) -> ContainerRun:
+    hosts: int = 1,
+    triggers: Sequence[Trigger] = (),
+    checkpoints: S3Prefix | None = None,
+    readonly: dict[int, Sequence[str]] | None = None,
+) -> ContainerRun | JobRun:
     """Build the container's view of `launched.request` under `workdir` and run the job there.
 
     `program` (an argv) runs instead of the toolkit, in the same view, cwd /opt/ml/code, with the toolkit's
     code dir left empty unless the program fills it: for testing the harness itself.
+    With `hosts` > 1 this is `replay_job` (see there for the other arguments), and returns its JobRun.
     """
     request = launched.request if hasattr(launched, "request") else launched
+    if hosts != 1:
+        return replay_job(
+            session,
+            request,
+            workdir=workdir,
+            hosts=hosts,
+            nproc=nproc,
+            timeout=timeout,
+            program=program,
+            triggers=triggers,
+            checkpoints=checkpoints,
+            readonly=readonly,
+        )
+    if triggers or checkpoints or readonly:
+        raise HarnessError("triggers, checkpoints and readonly are replay_job's; call it (hosts=1 works there)")
     prepare(session, request, workdir)
     return run_container(workdir, request, nproc=nproc, timeout=timeout, program=program)
 
@@ -485,40 +540,15 @@ def run_container(
     workdir: str | Path, request: dict, *, nproc: int = 2, timeout: float = 300, program: list[str] | None = None
 ) -> ContainerRun:
     workdir = Path(workdir).resolve()
-    root, harness = workdir / "opt_ml", workdir / "harness"
+    root = workdir / "opt_ml"
     mode = isolation_mode()
-    ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
-    alg = request.get("AlgorithmSpecification") or {}
-    spec = {
-        "mode": mode,
-        "root": str(root),
-        "harness": str(harness),
-        "nproc": nproc,
-        "program": program,
-        "model_copy": str(workdir / "model"),
-        "status": str(harness / "status.json"),
-        "submit_dir": json.loads(request["HyperParameters"].get("sagemaker_submit_directory", "null")),
-        "entrypoint": (alg.get("ContainerEntrypoint") or []) + (alg.get("ContainerArguments") or []),
-    }
-    shutil.copy2(__file__, harness / "sm_container.py")
-    (harness / "hosts").write_text(
-        f"127.0.0.1\tlocalhost {HOST}\n::1\tlocalhost ip6-localhost\n127.0.0.1\t{socket.gethostname()}\n"
-    )
-    _write_json(harness / "spec.json", spec)
-    env = container_env(request)
-    if spec["entrypoint"]:  # 3.x: the instance's GPUs, as nvidia-smi lists them
-        (harness / "bin").mkdir()
-        smi = harness / "bin" / "nvidia-smi"
-        smi.write_text(FAKE_NVIDIA_SMI.replace("@N@", str(nproc)))
-        smi.chmod(0o755)
-        env["PATH"] = f"{harness / 'bin'}{os.pathsep}{env['PATH']}"
-    driver = [sys.executable, str(harness / "sm_container.py"), "--driver", str(harness / "spec.json")]
+    spec, env, driver = _host_setup(workdir, request, nproc=nproc, program=program, mode=mode)
     lock = None
     if mode == "namespace":
         cmd = ["unshare", *namespace_flags(), *driver]
     else:
         cmd = driver
-        site = harness / "site"
+        site = workdir / "harness" / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE.replace("@MODEL@", str(root / "model")))
         env["PYTHONPATH"] = str(site)
@@ -534,24 +564,95 @@ def run_container(
     finally:
         if lock is not None:
             _unlink_opt_ml(lock)
+    return _host_result(spec, request, proc.returncode, out, err, log, seconds=time.time() - t0)
+
+
+def _host_setup(
+    workdir: Path,
+    request: dict,
+    *,
+    nproc: int,
+    program: list[str] | None,
+    mode: str,
+    host: str = HOST,
+    hosts: Sequence[str] = (HOST,),
+    extra: dict | None = None,
+) -> tuple[dict, dict[str, str], list[str]]:
+    """One host's driver: its spec (written to harness/spec.json), its environment, and its argv."""
+    root, harness = workdir / "opt_ml", workdir / "harness"
+    alg = request.get("AlgorithmSpecification") or {}
+    spec = {
+        "mode": mode,
+        "root": str(root),
+        "harness": str(harness),
+        "nproc": nproc,
+        "program": program,
+        "model_copy": str(workdir / "model"),
+        "status": str(harness / "status.json"),
+        "submit_dir": json.loads(request["HyperParameters"].get("sagemaker_submit_directory", "null")),
+        "entrypoint": (alg.get("ContainerEntrypoint") or []) + (alg.get("ContainerArguments") or []),
+        "host": host,
+        **(extra or {}),
+    }
+    shutil.copy2(__file__, harness / "sm_container.py")
+    # Every host of the job resolves to loopback: the hosts share one network namespace (or this machine's).
+    # With several, the host's own name comes first, so that its fqdn (torchrun's failure report) is algo-K.
+    others = [h for h in hosts if h != host]
+    names = [
+        f"127.0.0.1\t{host} localhost" if others else f"127.0.0.1\tlocalhost {host}",
+        "::1\tlocalhost ip6-localhost",
+    ]
+    names += [f"127.0.0.1\t{' '.join(others)}"] if others else []
+    (harness / "hosts").write_text("\n".join([*names, f"127.0.0.1\t{socket.gethostname()}"]) + "\n")
+    _write_json(harness / "spec.json", spec)
+    env = container_env(request)
+    if spec["entrypoint"]:  # 3.x: the instance's GPUs, as nvidia-smi lists them
+        (harness / "bin").mkdir()
+        smi = harness / "bin" / "nvidia-smi"
+        smi.write_text(FAKE_NVIDIA_SMI.replace("@N@", str(nproc)))
+        smi.chmod(0o755)
+        env["PATH"] = f"{harness / 'bin'}{os.pathsep}{env['PATH']}"
+    driver = [sys.executable, str(harness / "sm_container.py"), "--driver", str(harness / "spec.json")]
+    return spec, env, driver
+
+
+def _host_result(
+    spec: dict,
+    request: dict,
+    returncode: int,
+    out: str,
+    err: str,
+    log: str,
+    *,
+    seconds: float,
+    killed: bool = False,
+    frozen: bool = False,
+) -> ContainerRun:
+    """What one host's driver left: its status file, its log, its directories.
+
+    A host the harness killed (`killed`) never reaches the status "done"; any other host that does not
+    failed in the harness itself.
+    """
     status = json.loads(Path(spec["status"]).read_text()) if Path(spec["status"]).is_file() else {}
-    if status.get("stage") != "done":
+    if status.get("stage") != "done" and (not killed or status.get("error")):
         raise HarnessError(
-            f"the harness failed ({status.get('error') or 'no status'}), exit {proc.returncode}\n"
+            f"the harness failed on {spec['host']} ({status.get('error') or 'no status'}), exit {returncode}\n"
             f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}"
         )
+    root, mode, program = Path(spec["root"]), spec["mode"], spec["program"]
+    ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
     command, program_rc = status.get("command"), status.get("program_returncode")
     if spec["entrypoint"] and not program:  # 3.x: its driver logs the command and how it ended
         ran = re.search(r"^Executing command: (.*)$", log, re.M)
         failed = re.search(r"^Command failed with exit code (-?\d+)", log, re.M)
         command = ran.group(1).split() if ran else None
-        program_rc = int(failed.group(1)) if failed else (0 if ran and proc.returncode == 0 else None)
+        program_rc = int(failed.group(1)) if failed else (0 if ran and returncode == 0 else None)
         print(
-            f"sm_container: nvidia-smi listed {nproc} simulated GPUs; requirements.txt was not pip-installed",
+            f"sm_container: nvidia-smi listed {spec['nproc']} simulated GPUs; requirements.txt was not pip-installed",
             file=sys.stderr,
         )
     return ContainerRun(
-        returncode=proc.returncode,
+        returncode=returncode,
         program_returncode=program_rc,
         command=command,
         stdout=out,
@@ -561,8 +662,11 @@ def run_container(
         checkpoint_dir=root / _under_opt_ml(ckpt) if ckpt else None,
         output_dir=root / "output",
         isolation=mode,
-        seconds=time.time() - t0,
+        seconds=seconds,
         sdk="v3" if spec["entrypoint"] else "v2",
+        host=spec["host"],
+        killed=killed,
+        frozen=frozen,
     )
 
 
@@ -685,6 +789,440 @@ _os.rename, _os.replace, _os.rmdir = _mover(_os.rename), _mover(_os.replace), _r
 
 
 # ---------------------------------------------------------------------------------------------
+# Several hosts: one job on N instances, each its own namespaces and /opt/ml
+
+
+@dataclass
+class Trigger:
+    """What the replay does once, at a moment the test picks: SIGKILL hosts (`kill`), SIGSTOP hosts (`freeze`),
+    and/or `call(job)`, in that order.
+
+    The moment is `seconds` after the hosts started or, with `line` (a regex), `seconds` after the first log
+    line (stdout or stderr) of host `host` (1-based; None: any host) that matches it. Triggers due at the same
+    moment fire in list order. A kill takes the host's whole process tree (driver, toolkit, torchrun,
+    workers) at once: the kernel closes its sockets, so its peers read a reset, as when a process dies. A
+    freeze stops the tree and leaves its sockets open: its peers hear nothing more, as when an instance
+    vanishes from the network (a spot interruption); the harness kills it at the end.
+    """
+
+    line: str | None = None
+    host: int | None = None
+    seconds: float = 0.0
+    kill: int | Sequence[int] | Literal["all"] | None = None
+    freeze: int | Sequence[int] | Literal["all"] | None = None
+    call: Callable[[LiveJob], object] | None = None
+
+    def describe(self) -> str:
+        where = (
+            f"line /{self.line}/ on {'any host' if self.host is None else f'algo-{self.host}'}"
+            if self.line
+            else "start"
+        )
+        return f"{self.seconds:g} s after {where}"
+
+
+class _Host:
+    """One instance while the job runs: its process, and its log lines as they arrive."""
+
+    def __init__(self, index: int, workdir: Path, spec: dict, env: dict[str, str], cmd: list[str]) -> None:
+        self.index, self.name, self.workdir = index, spec["host"], workdir
+        self.spec, self.env, self.cmd = spec, env, cmd
+        self.lines: list[tuple[float, int, str]] = []  # (seconds since start, 0 stdout / 1 stderr, text)
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.readers: list[threading.Thread] = []
+        self.killed = False
+        self.frozen = False
+        self.ended: float | None = None
+
+    def start(self, t0: float, seen: Callable[[_Host, float, str], None]) -> None:
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            cwd=str(self.workdir),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+        def read(stream, i: int) -> None:
+            for raw in iter(stream.readline, b""):
+                t, text = time.monotonic() - t0, raw.decode("utf-8", "replace")
+                with self.lock:
+                    self.lines.append((t, i, text))
+                seen(self, t, text)
+            stream.close()
+
+        self.readers = [
+            threading.Thread(target=read, args=(s, i), daemon=True)
+            for i, s in enumerate((self.proc.stdout, self.proc.stderr))
+        ]
+        for t in self.readers:
+            t.start()
+
+    def text(self, stream: int | None = None) -> str:
+        with self.lock:
+            return "".join(ln for _, i, ln in self.lines if stream is None or i == stream)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> bool:
+        """SIGKILL the host's process tree; False if it had already exited."""
+        if not self.running():
+            return False
+        self.killed = True
+        for p in _stop_tree(self.proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return True
+
+    def freeze(self) -> bool:
+        """SIGSTOP the host's process tree (it stays, silent, until killed); False if it had already exited."""
+        if not self.running():
+            return False
+        self.frozen = True
+        _stop_tree(self.proc.pid)
+        return True
+
+
+class LiveJob:
+    """The job while it runs, as a Trigger's `call` sees it; hosts are numbered from 1 (algo-1)."""
+
+    def __init__(
+        self, hosts: list[_Host], t0: float, syncs: list[HostSync], events: list[str], ckpt: str | None
+    ) -> None:
+        self._hosts, self._t0, self._syncs, self._events, self._ckpt = hosts, t0, syncs, events, ckpt
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self._hosts]
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _host(self, k: int) -> _Host:
+        if not 1 <= k <= len(self._hosts):
+            raise HarnessError(f"host {k}: the job has hosts 1..{len(self._hosts)}")
+        return self._hosts[k - 1]
+
+    def opt_ml(self, k: int) -> Path:
+        """Host k's /opt/ml, as this machine sees it."""
+        return Path(self._host(k).spec["root"])
+
+    def checkpoint_dir(self, k: int) -> Path:
+        """Host k's CheckpointConfig.LocalPath, as this machine sees it."""
+        if not self._ckpt:
+            raise HarnessError("the request has no CheckpointConfig")
+        return self.opt_ml(k) / _under_opt_ml(self._ckpt)
+
+    def log(self, k: int) -> str:
+        return self._host(k).text()
+
+    def running(self, k: int) -> bool:
+        return self._host(k).running()
+
+    def kill(self, which: int | Sequence[int] | Literal["all"]) -> None:
+        """SIGKILL hosts' whole process trees (see Trigger)."""
+        for k in _host_numbers(which, len(self._hosts)):
+            h = self._host(k)
+            done = h.kill()
+            self._events.append(f"{self.seconds:.1f} s: {'killed' if done else 'kill: already exited,'} {h.name}")
+
+    def freeze(self, which: int | Sequence[int] | Literal["all"]) -> None:
+        """SIGSTOP hosts' whole process trees (see Trigger)."""
+        for k in _host_numbers(which, len(self._hosts)):
+            h = self._host(k)
+            done = h.freeze()
+            self._events.append(f"{self.seconds:.1f} s: {'froze' if done else 'freeze: already exited,'} {h.name}")
+
+    def sync(self, k: int) -> HostSync:
+        """Host k's checkpoint sync agent (replay_job's `checkpoints`)."""
+        if not self._syncs:
+            raise HarnessError("this replay has no simulated checkpoint S3 prefix (pass checkpoints=S3Prefix(...))")
+        return self._syncs[k - 1]
+
+
+def _host_numbers(which: int | Sequence[int] | Literal["all"], n: int) -> list[int]:
+    if which == "all":
+        return list(range(1, n + 1))
+    return [which] if isinstance(which, int) else list(which)
+
+
+@dataclass
+class JobRun:
+    """What a replayed job of several instances left: one ContainerRun per host (algo-1 first), and when."""
+
+    hosts: list[ContainerRun]
+    seconds: float  # from the hosts' start until the last one ended
+    ended: list[float | None]  # when each host's container exited, in seconds from the start
+    timed_out: bool  # the job ran past its timeout and the harness killed what was left
+    events: list[str]  # what the harness did and saw, in order ("12.3 s: killed algo-2", "14.0 s: algo-1 exited 1")
+    sync: list[HostSync] = field(default_factory=list)  # each host's checkpoint agent, with `checkpoints`
+
+    def host(self, k: int) -> ContainerRun:
+        """Host k, numbered from 1 (algo-1) as the job's resourceconfig.json names them."""
+        return self.hosts[k - 1]
+
+    @property
+    def returncode(self) -> int:
+        """The job's status as SageMaker would see it: 0 only when every host's container exited 0."""
+        return next((h.returncode for h in self.hosts if h.returncode != 0), 0)
+
+    def explain(self, tail: int = 3000) -> str:
+        head = f"job of {len(self.hosts)} hosts, exit {self.returncode}, {self.seconds:.1f} s"
+        head += " (TIMED OUT)" if self.timed_out else ""
+        parts = [head, *self.events]
+        parts += [f"=== {h.host} ===\n{h.explain(tail)}" for h in self.hosts]
+        return "\n".join(parts)
+
+
+def replay_job(
+    session: Any,
+    launched: Any,
+    *,
+    workdir: str | Path,
+    hosts: int = 2,
+    nproc: int = 2,
+    timeout: float = 300,
+    program: list[str] | None = None,
+    triggers: Sequence[Trigger] = (),
+    checkpoints: S3Prefix | None = None,
+    readonly: dict[int, Sequence[str]] | None = None,
+) -> JobRun:
+    """Replay `launched.request` on `hosts` instances at once (the request's InstanceCount), each as SageMaker
+    gives it: its own mount, UTS and PID namespaces, its own /opt/ml under WORKDIR/algo-K (channels downloaded
+    to every host, FullyReplicated; its own model mount and checkpoint LocalPath), resourceconfig.json naming
+    it among all hosts, and the toolkit's (2.x) or the SDK drivers' (3.x) own torchrun line per host
+    (`--nnodes N ... --node_rank K-1 --master_addr algo-1 --master_port 7777`).
+
+    The hosts share one private network namespace, where every algo-K resolves to loopback and 7777 is free;
+    where --net is not permitted they share this machine's and torchrun's master port is a free one instead
+    (logged). `triggers` kill hosts or call back at chosen moments; `timeout` kills whatever still runs and
+    returns with `timed_out` (a hang is a result, not an exception). `checkpoints` is the simulated S3 prefix
+    of CheckpointConfig: each host's LocalPath is restored from it before the hosts start, and each host's
+    agent (HostSync) is in `JobRun.sync` and `LiveJob.sync(k)`; uploads happen only when a test asks.
+    `readonly` maps a host number to paths under /opt/ml mounted read-only on that host (e.g. "checkpoints").
+    """
+    request = launched.request if hasattr(launched, "request") else launched
+    if hosts < 1:
+        raise HarnessError(f"hosts={hosts}: a job has at least one instance")
+    workdir = Path(workdir).resolve()
+    names = [f"algo-{k}" for k in range(1, hosts + 1)]
+    ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
+    if checkpoints is not None and not ckpt:
+        raise HarnessError("checkpoints= needs a request with a CheckpointConfig (launch with --checkpoint-s3/--spot)")
+    syncs = []
+    for name in names:
+        root = prepare(session, request, workdir / name, host=name, hosts=names)
+        if checkpoints is not None:
+            sync = checkpoints.host(name, root / _under_opt_ml(ckpt))
+            sync.restore()
+            syncs.append(sync)
+    return run_job(
+        workdir,
+        request,
+        hosts=names,
+        nproc=nproc,
+        timeout=timeout,
+        program=program,
+        triggers=triggers,
+        syncs=syncs,
+        readonly=readonly,
+    )
+
+
+def run_job(
+    workdir: str | Path,
+    request: dict,
+    *,
+    hosts: Sequence[str],
+    nproc: int = 2,
+    timeout: float = 300,
+    program: list[str] | None = None,
+    triggers: Sequence[Trigger] = (),
+    syncs: Sequence[HostSync] = (),
+    readonly: dict[int, Sequence[str]] | None = None,
+) -> JobRun:
+    """Run the prepared WORKDIR/<host> views concurrently (see replay_job)."""
+    workdir = Path(workdir).resolve()
+    if isolation_mode() != "namespace":
+        raise HarnessError("a replay of several hosts needs mount namespaces (unshare/mount, e.g. as root)")
+    flags = [f for f in namespace_flags() or [] if f != "--net"]
+    holder, port = None, None
+    events: list[str] = []
+    hs: list[_Host] = []
+    try:
+        if "--net" in (namespace_flags() or []):
+            holder = _network_holder()
+            prefix = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
+        else:
+            port, prefix = _free_port(), []
+        for k, name in enumerate(hosts, 1):
+            extra = {"readonly": list((readonly or {}).get(k, ())), "master_port": port}
+            spec, env, driver = _host_setup(
+                workdir / name,
+                request,
+                nproc=nproc,
+                program=program,
+                mode="namespace",
+                host=name,
+                hosts=hosts,
+                extra=extra,
+            )
+            if port and spec["entrypoint"]:
+                _set_v3_master_port(Path(spec["root"]), port)
+            hs.append(_Host(k, workdir / name, spec, env, [*prefix, "unshare", *flags, *driver]))
+        return _run_hosts(hs, request, triggers, syncs, events, timeout)
+    finally:
+        for h in hs:
+            h.kill()
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+            for s in (holder.stdout, holder.stderr):
+                s.close()
+
+
+def _run_hosts(
+    hs: list[_Host],
+    request: dict,
+    triggers: Sequence[Trigger],
+    syncs: Sequence[HostSync],
+    events: list[str],
+    timeout: float,
+) -> JobRun:
+    seen: list[tuple[int, float, str]] = []
+    seen_lock = threading.Lock()
+
+    def on_line(h: _Host, t: float, text: str) -> None:
+        with seen_lock:
+            seen.append((h.index, t, text))
+
+    t0 = time.monotonic()
+    live = LiveJob(hs, t0, list(syncs), events, (request.get("CheckpointConfig") or {}).get("LocalPath"))
+    for h in hs:
+        h.start(t0, on_line)
+    due: dict[int, float] = {i: tr.seconds for i, tr in enumerate(triggers) if tr.line is None}
+    fired: set[int] = set()
+    timed_out, consumed = False, 0
+    while True:
+        now = time.monotonic() - t0
+        with seen_lock:
+            new, consumed = seen[consumed:], len(seen)
+        for i, tr in enumerate(triggers):
+            if tr.line is None or i in due:
+                continue
+            hit = next((t for k, t, text in new if tr.host in (None, k) and re.search(tr.line, text)), None)
+            if hit is not None:
+                due[i] = hit + tr.seconds
+        for i in sorted(i for i, at in due.items() if i not in fired and at <= now):
+            fired.add(i)
+            tr = triggers[i]
+            events.append(f"{now:.1f} s: trigger {tr.describe()}")
+            if tr.kill is not None:
+                live.kill(tr.kill)
+            if tr.freeze is not None:
+                live.freeze(tr.freeze)
+            if tr.call is not None:
+                tr.call(live)
+        for h in hs:
+            if h.ended is None and not h.running():
+                h.ended = time.monotonic() - t0
+                events.append(f"{h.ended:.1f} s: {h.name} exited {h.proc.returncode}")
+        if all(h.ended is not None for h in hs):
+            break
+        if now > timeout:
+            timed_out = True
+            events.append(f"{now:.1f} s: timeout ({timeout:g} s): killing what still runs")
+            live.kill([h.index for h in hs if h.running()])
+            for h in hs:
+                h.proc.wait()
+                h.ended = h.ended if h.ended is not None else time.monotonic() - t0
+            break
+        time.sleep(0.02)
+    for h in hs:
+        for t in h.readers:
+            t.join(10)
+    results = [
+        _host_result(
+            h.spec,
+            request,
+            h.proc.returncode,
+            h.text(0),
+            h.text(1),
+            h.text(),
+            seconds=h.ended or 0.0,
+            killed=h.killed,
+            frozen=h.frozen,
+        )
+        for h in hs
+    ]
+    ended = [h.ended for h in hs]
+    return JobRun(results, max(e or 0.0 for e in ended), ended, timed_out, events, list(syncs))
+
+
+def _network_holder() -> subprocess.Popen:
+    """A process that holds a new network namespace (loopback up) for the hosts to join."""
+    holder = subprocess.Popen(
+        ["unshare", "--net", "sh", "-c", "ip link set lo up && echo up && exec sleep 86400"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    if holder.stdout.readline().strip() != b"up":
+        holder.kill()
+        raise HarnessError(f"could not start the job's network namespace: {holder.stderr.read().decode()[-2000:]}")
+    return holder
+
+
+def _set_v3_master_port(root: Path, port: int) -> None:
+    """3.x on this machine's network: environment.py's SM_MASTER_PORT (7777) becomes a free port (logged)."""
+    env_py = root / "input" / "data" / "sm_drivers" / "scripts" / "environment.py"
+    text = env_py.read_text()
+    if "SM_MASTER_PORT = 7777" not in text:
+        raise HarnessError(f"{env_py}: no `SM_MASTER_PORT = 7777` to point at port {port}")
+    env_py.write_text(
+        text.replace("SM_MASTER_PORT = 7777", f"SM_MASTER_PORT = {port}  # sm_container: 7777 may be taken here")
+    )
+
+
+def _stop_tree(pid: int) -> list[int]:
+    """SIGSTOP pid and every process below it, top down, until no new one appears; returns them all. Stopped,
+    none can fork or be reparented out of reach (torchrun starts its workers in sessions of their own)."""
+    stopped: list[int] = []
+    todo = [pid]
+    while todo:
+        for p in todo:
+            try:
+                os.kill(p, signal.SIGSTOP)
+                stopped.append(p)
+            except ProcessLookupError:
+                pass
+        children = _children()
+        todo = [c for p in stopped for c in children.get(p, []) if c not in stopped]
+    return stopped
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc (parent pid: field 4 of /proc/PID/stat)."""
+    out: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        out.setdefault(ppid, []).append(int(d))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The driver: runs inside the namespace (or with the patches), as the image's `train` entry point would
 
 
@@ -700,7 +1238,7 @@ def _enter_container_view(spec: dict) -> None:
     if os.path.exists("/sys/class/net/lo") and shutil.which("ip"):
         subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True)
     try:
-        socket.sethostname(HOST)
+        socket.sethostname(spec.get("host", HOST))
     except (OSError, AttributeError):
         pass  # no UTS namespace: the hosts file names this host too
     if not os.path.isdir(OPT_ML):
@@ -722,6 +1260,10 @@ def _enter_container_view(spec: dict) -> None:
     _sh("mount", "--bind", spec["root"], OPT_ML)
     _sh("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", f"{OPT_ML}/model")
     _sh("mount", "--bind", str(harness / "hosts"), "/etc/hosts")
+    for rel in spec.get("readonly") or []:  # a read-only mount refuses writes even to root, as a full disk would
+        path = os.path.join(OPT_ML, rel)
+        _sh("mount", "--bind", path, path)
+        _sh("mount", "-o", "remount,bind,ro", path)
 
 
 def _patch_toolkit(spec: dict, status: dict) -> None:
@@ -757,6 +1299,10 @@ def _patch_toolkit(spec: dict, status: dict) -> None:
         init(self, user_entry_point, args, env_vars, spec["nproc"], *a, **k)
 
     torch_distributed.TorchDistributedRunner.__init__ = runner_init
+
+    if spec.get("master_port"):  # several hosts on this machine's network: 7777 may be taken
+        torch_distributed.MASTER_PORT = str(spec["master_port"])
+        print(f"sm_container: torchrun's --master_port is {spec['master_port']} (the toolkit's is 7777)", flush=True)
 
     log_invocation = logging_config.log_script_invocation
 
@@ -886,6 +1432,9 @@ __all__ = [
     "ROLE",
     "ContainerRun",
     "HarnessError",
+    "JobRun",
+    "LiveJob",
+    "Trigger",
     "aws_test_env",
     "container_env",
     "input_flags",
@@ -897,7 +1446,9 @@ __all__ = [
     "prepare",
     "pytorch_training_main",
     "replay",
+    "replay_job",
     "run_container",
+    "run_job",
     "source_tarball",
     "unavailable",
     "upload",

@@ -407,6 +407,22 @@ ROWS = [
     ),
     Row("train_seq_len_0", f"{TR} --seq-len 0 --out {{W}}/out", fragment="--seq-len", absent=("{W}/out",), fast=True),
     Row(
+        "train_replicate_not_dividing_the_processes",
+        "torchrun --standalone --nproc_per_node 4 train.py --phase 2 "
+        f"--tokenizer {{T}} --data {{S}} {SMALL} --global-batch 4 --replicate 3 --out {{W}}/out",
+        code=1,
+        fragment="--replicate 3 must divide the number of processes (4)",
+        absent=("{W}/out",),
+        check=check_ranks_exit_2,
+    ),
+    Row(
+        "finetune_replicate_on_one_process",
+        f"{FT} --replicate 2 --out {{W}}/out",
+        fragment="--replicate 2 must divide the number of processes (1)",
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row(
         "finetune_prompt_top_p_0",
         "python finetune.py --model {M} --prompt Salam --top-p 0",
         fragment="--top-p",
@@ -535,6 +551,13 @@ ROWS = [
     ),
     Row("launcher_bad_region_dry_run", f"{LAUNCH} --region nowhere-1 --dry-run", fragment="--region", launcher=True),
     Row("launcher_bad_region", f"{LAUNCH} --region nowhere-1", fragment="--region", launcher=True),
+    Row(
+        "launcher_finetune_checkpoint_s3",
+        "python -m minilm_az.launch.sagemaker finetune --data s3://b/chat/ --model s3://b/phase2/ "
+        "--checkpoint-s3 s3://b/ckpt/ --dry-run",
+        fragment="--checkpoint-s3",
+        launcher=True,
+    ),
     Row(
         "launcher_role_name_dry_run",
         f"{LAUNCH} --region us-east-1 --role MyRole --dry-run",

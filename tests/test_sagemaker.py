@@ -316,11 +316,12 @@ def test_train_launch_creates_a_torchrun_job_with_our_settings(aws, project):
     hps = job["HyperParameters"]
     assert hps["sagemaker_torch_distributed_enabled"] == "true"
     assert json.loads(hps["sagemaker_program"]) == TRAIN_SCRIPT
-    assert {k: hps[k] for k in ("phase", "steps", "micro-batch", "compile")} == {
+    assert {k: hps[k] for k in ("phase", "steps", "micro-batch", "compile", "replicate")} == {
         "phase": "2",
         "steps": "20000",
         "micro-batch": "4",
         "compile": '"true"',
+        "replicate": "2",  # HSDP: one model copy per instance (bench/comms_model.py)
     }
     channels = {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in job["InputDataConfig"]}
     assert channels == {"data": "s3://corp/shards/", "base_model": "s3://corp/p1/model/", "tokenizer": "s3://corp/tok/"}
@@ -573,3 +574,10 @@ def test_train_paths_default_to_the_container_dirs_inside_sagemaker(monkeypatch)
         "/opt/ml/input/data/data",
         "/opt/ml/input/data/base_model",
     )
+
+
+def test_a_replicate_the_user_passes_wins_over_one_copy_per_instance(aws, project):
+    argv = ["train", "--phase", "2", "--instance-count", "2", "--data", "s3://corp/shards/", "--replicate", "1"]
+    assert launch(aws, project, argv).request["HyperParameters"]["replicate"] == "1"
+    one = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/"])
+    assert "replicate" not in one.request["HyperParameters"]  # one instance: plain FSDP2, the script's default

@@ -12,7 +12,6 @@ toolkit, v3's through its own sm_train.sh and drivers (marked `sdk3`; each runs 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -66,31 +65,6 @@ def corpus_dir(tmp_path_factory) -> Path:
     for name in ("django.txt", "mediawiki.txt"):
         shutil.copy2(AZ / name, d / name)
     return d
-
-
-@pytest.fixture(scope="module")
-def shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
-    from minilm_az.shards import write_shards
-    from minilm_az.tokenizer import EOS, encode_plain, load_tokenizer, tokenizer_hash
-
-    tok = load_tokenizer(small_tokenizer_dir)
-    docs = [
-        ln.strip()
-        for name in ("django.txt", "mediawiki.txt")
-        for ln in (AZ / name).read_text(encoding="utf-8").splitlines()
-        if ln.strip()
-    ]
-    out = str(tmp_path_factory.mktemp("shards") / "shards")
-    write_shards(
-        docs,
-        out,
-        functools.partial(encode_plain, tok),
-        tok.get_vocab_size(),
-        tok.token_to_id(EOS),
-        tokenizer_hash(small_tokenizer_dir),
-        val_fraction=0.1,
-    )
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +201,13 @@ def probe_project(tmp_path) -> Path:
 
 @pytest.mark.parametrize("sdk", SDKS)
 def test_harness_runs_train_under_the_containers_torchrun_with_its_argv_and_env(
-    sdk, aws, tmp_path, probe_project, shards_dir
+    sdk, aws, tmp_path, probe_project, container_shards_dir
 ):
     run = replay(
         aws,
         ["train", "--phase", "2", "--steps", "4", "--no-liger", "--lr", "3e-4"],
         tmp_path,
-        inputs={"--data": shards_dir},
+        inputs={"--data": container_shards_dir},
         root=probe_project,
         sdk=sdk,
     )
@@ -323,7 +297,9 @@ def test_tokenize_encode_writes_shards_and_index_to_the_model_dir(aws, tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sdk", SDKS)
-def test_train_phase2_under_torchrun_exports_and_checkpoints(sdk, aws, tmp_path, shards_dir, small_tokenizer_dir):
+def test_train_phase2_under_torchrun_exports_and_checkpoints(
+    sdk, aws, tmp_path, container_shards_dir, small_tokenizer_dir
+):
     run = replay(
         aws,
         (
@@ -331,7 +307,7 @@ def test_train_phase2_under_torchrun_exports_and_checkpoints(sdk, aws, tmp_path,
             "--global-batch 4 --eval-every 2 --log-every 1 --no-liger"
         ).split(),
         tmp_path,
-        inputs={"--data": shards_dir, "--tokenizer": small_tokenizer_dir},
+        inputs={"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir},
         sdk=sdk,
     )
     assert run.returncode == 0, run.explain()

@@ -60,11 +60,11 @@ def container_paths(cls) -> dict[str, str]:
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are printed by one process only (torchrun starts one per GPU)."""
+    """An ArgumentParser whose errors are printed once on each host (torchrun starts one process per GPU)."""
 
     def error(self, message: str):
         """One line, not argparse's usage block: the flag and what is wrong with it."""
-        if os.environ.get("RANK", "0") in ("", "0"):
+        if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
             print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         self.exit(2)
 

@@ -316,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--instance-count {args.instance_count} without --torchrun would run the whole "
             f"job independently on every instance"
         )
+    if args.checkpoint_s3 and not STAGES[args.stage].checkpoints:
+        # A prefix the script never writes would promise a resume that cannot happen.
+        parser.error(f"{args.stage} writes no checkpoints, so --checkpoint-s3 would resume nothing")
     cls = stage_config(args)
     takes = flags.channels(cls)
     for ch, fname in STAGES[args.stage].channels().items():
@@ -421,6 +424,10 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     for fname, path in flags.container_paths(cls).items():
         if path != CHECKPOINT_LOCAL_PATH or stage.checkpoints or args.checkpoint_s3:
             hps[fname.replace("_", "-")] = path
+    if args.instance_count > 1 and any(f.name == "replicate" for f in dataclasses.fields(cls)):
+        # One model copy per instance, sharded over its GPUs, keeps the all-gathers on NVLink: HSDP is ahead on
+        # p4d and ties on p5 (bench/comms_model.py). A --replicate the user passes still wins, just below.
+        hps["replicate"] = args.instance_count
     hps.update(args.hyperparameters)
     job_name = args.job_name or _timestamped(base)
     root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")

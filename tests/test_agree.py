@@ -1,0 +1,67 @@
+"""parallel.agree: a problem that only some ranks (hosts) find stops every rank with one message that names the
+rank and host, instead of leaving the others waiting in the next collective; one print per host."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker(rank: int, world: int, port: int, failing: list[int], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), SM_CURRENT_HOST=f"algo-{rank + 1}")
+    from minilm_az import parallel
+
+    proc = parallel.setup("cpu")
+
+    def check() -> int:
+        if rank in failing:
+            raise OSError(f"/opt/ml/checkpoints: not writable here ({'same' if len(failing) == world else rank})")
+        return 7
+
+    try:
+        result = f"ok {parallel.agree(check, proc)}"
+    except (ValueError, OSError) as e:
+        result = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(result)
+    parallel.teardown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "failing, expected",
+    [
+        ([], ["ok 7", "ok 7"]),
+        ([1], ["ValueError: rank 1 on algo-2: /opt/ml/checkpoints: not writable here (1)"] * 2),
+        ([0, 1], ["OSError: /opt/ml/checkpoints: not writable here (same)"] * 2),  # the plain message
+    ],
+    ids=["none", "host2_only", "every_rank_alike"],
+)
+def test_every_rank_raises_the_first_failing_ranks_reason(tmp_path, failing, expected):
+    mp.spawn(_worker, args=(2, _free_port(), failing, str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == expected
+
+
+def test_three_ranks_failing_differently_name_the_first_and_count_the_rest(tmp_path):
+    mp.spawn(_worker, args=(3, _free_port(), [1, 2], str(tmp_path)), nprocs=3, join=True)
+    want = "ValueError: rank 1 on algo-2 (and 1 more ranks): /opt/ml/checkpoints: not writable here (1)"
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == [want] * 3
+
+
+@pytest.mark.parametrize("local_rank, printed", [("0", True), ("1", False)])
+def test_errors_print_once_per_host_on_its_local_rank_0(local_rank, printed):
+    code = "from minilm_az.logs import print_error; print_error('train.py', ValueError('rank 9 on algo-2: x'))"
+    env = {**os.environ, "RANK": "9", "LOCAL_RANK": local_rank}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.stderr == ("train.py: error: rank 9 on algo-2: x\n" if printed else ""), r.stderr
