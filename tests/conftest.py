@@ -3,6 +3,7 @@
 import glob
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,34 @@ def container_shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
         val_fraction=0.1,
     )
     return out
+
+
+# A Python started with this directory on its path behaves as if the prep extra were not installed: every
+# finder answers "not found" for its libraries, as when they are absent (torch probes some with find_spec).
+BLOCKER = textwrap.dedent(
+    """
+    import sys
+
+    class Hide:
+        def __init__(self, finder):
+            self.finder = finder
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ('pyarrow', 'zstandard', 'py3langid'):
+                return None
+            return self.finder.find_spec(name, path, target)
+
+        def __getattr__(self, attr):
+            return getattr(self.finder, attr)
+
+    sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+    """
+)
+
+
+@pytest.fixture(scope="session")
+def core_install(tmp_path_factory) -> str:
+    """A directory for PYTHONPATH that makes a Python behave as a core install (no `prep` extra)."""
+    site = tmp_path_factory.mktemp("core_install")
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    return str(site)

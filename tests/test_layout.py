@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = sorted((ROOT / "minilm_az").glob("*.py"))
 SCRIPTS = [ROOT / name for name in ("tokenize.py", "train.py", "finetune.py")]
-PREP_LIBRARIES = ("pyarrow", "zstandard", "py3langid")
 # What the engine must not import: the flag layer, a cloud SDK, a file-format library, or its own subpackages.
-NOT_IN_ENGINE = ("argparse", "sagemaker", "boto3", "botocore", *PREP_LIBRARIES, "minilm_az.launch", "minilm_az.prep")
+NOT_IN_ENGINE = ("argparse", "sagemaker", "boto3", "botocore", "pyarrow", "zstandard", "py3langid")
+NOT_IN_ENGINE += ("minilm_az.launch", "minilm_az.prep")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -64,34 +63,9 @@ def test_readme_is_a_guide_and_every_page_it_links_exists():
         assert (ROOT / link).exists(), link
 
 
-# A Python started with this directory on its path behaves as if the prep extra were not installed: every
-# finder answers "not found" for its libraries, as when they are absent (torch probes some with find_spec).
-BLOCKER = textwrap.dedent(
-    f"""
-    import sys
-
-    class Hide:
-        def __init__(self, finder):
-            self.finder = finder
-
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {PREP_LIBRARIES!r}:
-                return None
-            return self.finder.find_spec(name, path, target)
-
-        def __getattr__(self, attr):
-            return getattr(self.finder, attr)
-
-    sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
-    """
-)
-
-
 @pytest.mark.slow
-def test_a_core_install_tokenizes_trains_and_evaluates_and_names_the_extra_where_it_is_needed(tmp_path):
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
+def test_a_core_install_tokenizes_trains_and_evaluates_and_names_the_extra_where_it_is_needed(tmp_path, core_install):
+    env = {**os.environ, "PYTHONPATH": core_install, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
 
     def run(*argv: str) -> subprocess.CompletedProcess:

@@ -118,7 +118,7 @@ def test_the_reading_guide_states_true_line_counts_within_the_budget():
 
 
 @pytest.mark.slow
-def test_the_cpu_block_runs_as_written_on_a_demo_run(quick_demo, tmp_path):
+def test_the_cpu_block_runs_as_written_on_a_demo_run_with_a_core_install(quick_demo, tmp_path, core_install):
     # The block names runs/demo (what `make demo` leaves) and writes runs/try: here a quick demo and a tmp dir.
     script = cpu_block().replace("runs/demo/", quick_demo + "/").replace("runs/try/", str(tmp_path) + "/")
     assert "runs/" not in script
@@ -129,7 +129,7 @@ def test_the_cpu_block_runs_as_written_on_a_demo_run(quick_demo, tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, "PYTHONPATH": core_install},  # no prep extra
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fertility" in r.stdout or "tokens_per_word" in r.stdout
