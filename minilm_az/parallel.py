@@ -149,9 +149,9 @@ def agree(check: Callable[[], T], proc: Process) -> T:
         result, error = check(), None
     except (ValueError, OSError) as e:
         result, error = None, e
-    if proc.world_size == 1 and error is not None:
-        raise error
     if proc.world_size == 1:
+        if error is not None:
+            raise error
         return result
     reports: list = [None] * proc.world_size
     host = os.environ.get("SM_CURRENT_HOST") or socket.gethostname()

@@ -292,18 +292,22 @@ def test_two_hosts_train_phase2_as_one_process_does(
 LONG = [*TRAIN[:6], "400", *TRAIN[7:]]  # --steps 400: still training when host 2 goes
 
 
+def _train_on_two_hosts(aws, tmp_path: Path, argv: list[str], shards: str, tokenizer: str, **replay) -> smc.JobRun:
+    """train.py on 2 hosts x 1 process over the small shards and tokenizer, with the replay's other arguments."""
+    launched = launch(aws, argv, hosts=2, inputs={"--data": shards, "--tokenizer": tokenizer})
+    return smc.replay_job(aws, launched, workdir=tmp_path / "job", hosts=2, nproc=1, timeout=180, **replay)
+
+
 @pytest.mark.slow
 def test_killing_host_2_mid_training_ends_the_job_on_both_hosts(
     aws, tmp_path, container_shards_dir, small_tokenizer_dir
 ):
-    inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
-    run = smc.replay_job(
+    run = _train_on_two_hosts(
         aws,
-        launch(aws, LONG, hosts=2, inputs=inputs),
-        workdir=tmp_path / "job",
-        hosts=2,
-        nproc=1,
-        timeout=180,
+        tmp_path,
+        LONG,
+        container_shards_dir,
+        small_tokenizer_dir,
         triggers=[smc.Trigger(line=r"^train step=2 ", host=1, kill=2)],
     )
     host1, host2 = run.host(1), run.host(2)
@@ -321,14 +325,12 @@ def test_a_silent_host_2_can_be_held_and_then_lost(aws, tmp_path, container_shar
     """Host 2 frozen (SIGSTOP, its sockets left open): an instance gone from the network, as at a spot
     interruption, with no reset for host 1 to read; 5 s later both instances are lost. Today host 1 spends
     those 5 s waiting in its next collective (train.py's process group timeout is 30 minutes)."""
-    inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
-    run = smc.replay_job(
+    run = _train_on_two_hosts(
         aws,
-        launch(aws, LONG, hosts=2, inputs=inputs),
-        workdir=tmp_path / "job",
-        hosts=2,
-        nproc=1,
-        timeout=180,
+        tmp_path,
+        LONG,
+        container_shards_dir,
+        small_tokenizer_dir,
         triggers=[
             smc.Trigger(line=r"^train step=2 ", host=1, freeze=2),
             smc.Trigger(line=r"^train step=2 ", host=1, seconds=5, kill="all"),
@@ -345,14 +347,12 @@ def test_a_silent_host_2_can_be_held_and_then_lost(aws, tmp_path, container_shar
 def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
     aws, tmp_path, container_shards_dir, small_tokenizer_dir
 ):
-    inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
-    run = smc.replay_job(
+    run = _train_on_two_hosts(
         aws,
-        launch(aws, TRAIN, hosts=2, inputs=inputs),
-        workdir=tmp_path / "job",
-        hosts=2,
-        nproc=1,
-        timeout=180,
+        tmp_path,
+        TRAIN,
+        container_shards_dir,
+        small_tokenizer_dir,
         readonly={2: ["checkpoints"]},  # host 2's checkpoint dir refuses writes (EROFS), even root's
     )
     assert not run.timed_out and run.seconds < 300, run.explain()
