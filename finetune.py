@@ -21,18 +21,18 @@ import time
 
 import torch
 
-from minilm_az import lora, parallel
+from minilm_az import checkpoint, lora, parallel
 from minilm_az.bpb import rank_batches
-from minilm_az.chat import ChatFormatError, NothingToTrain, collate, encode_chat, micro_batches
+from minilm_az.chat import ChatFormatError, collate, micro_batches
 from minilm_az.config import FinetuneConfig
-from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained
+from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained, saved_dtype
 from minilm_az.kernels import select_ops
 from minilm_az.launch.flags import make_parser, parse_config
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
-from minilm_az.outputs import atomic_write_json
-from minilm_az.prep.chat_data import chat_files, read_chat_files
+from minilm_az.outputs import atomic_write_json, file_sha256
+from minilm_az.prep.chat_data import chat_files, encode_all, read_chat_files
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
 MERGED_MARK = "merged_from_adapter.json"  # in OUT/merged: this model already holds an adapter
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     if not cfg.model:
         p.error("--model is required (the HF-format base model directory)")
     cfg.tokenizer = cfg.tokenizer or cfg.model
+    cfg.checkpoint_dir = cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
     if cfg.chat or cfg.prompt:
         if not os.path.isdir(cfg.model):
             p.error(f"--model {cfg.model}: no such directory")
@@ -64,16 +65,6 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
 
 
 # ---------------------------------------------------------------- data
-
-
-def encode_all(convs, tok, max_len: int, last_turn_only: bool) -> tuple[list, int]:
-    out, dropped = [], 0
-    for messages in convs:
-        try:
-            out.append(encode_chat(messages, tok, max_len=max_len, last_turn_only=last_turn_only))
-        except NothingToTrain:
-            dropped += 1
-    return out, dropped
 
 
 def load_data(cfg: FinetuneConfig, tok, max_len: int, log: MetricLogger) -> tuple[list, list]:
@@ -188,6 +179,14 @@ def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
     return tok, max_len, *load_data(cfg, tok, max_len, log)
 
 
+def run_identity(cfg: FinetuneConfig) -> tuple[dict, dict]:
+    """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
+    train_files, val_files = chat_files(cfg.data, cfg.val_data)
+    must = dict(model=checkpoint.model_fingerprint(cfg.model), data=[file_sha256(f) for f in train_files + val_files])
+    must.update({k: getattr(cfg, k) for k in ("lora_r", "lora_alpha", "targets", "max_seq_len", "last_turn_only")})
+    return must, {"seed": cfg.seed, "global_batch": cfg.global_batch}
+
+
 def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> None:
     torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
     # The inputs are checked on every host, and a problem on one host stops them all with its reason.
@@ -198,28 +197,38 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     params = lora.lora_parameters(model)
     fused = proc.device.type == "cuda" or None
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay, fused=fused)
-    if val:
+    must, may = run_identity(cfg)
+    ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
+    state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
+    control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
+    start = ckpt.resume(model, opt, must, may, log.info)[0] if cfg.resume == "auto" else 0
+    if start:
+        log.log("resume", **{"from": ckpt.last()}, step=start)
+    elif val:
         log.log("eval", step=0, val_loss=evaluate(model, val, cfg, proc, pad_id))
-    meter, t0 = Progress(steps, every=cfg.log_every), time.time()
-    for step in range(steps):
+    meter, t0 = Progress(steps, start, every=cfg.log_every), time.time()
+    for step in range(start, steps):
         t_step = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, steps, cfg.min_lr_ratio)
         set_lr(opt, lr)
         batch = [examples[i] for i in batch_order(len(examples), step, cfg.global_batch, cfg.seed)]
         loss, gn, n_tokens = train_step(model, batch, params, cfg, proc, pad_id, max_len if cfg.packing else None)
-        if not (math.isfinite(loss) and math.isfinite(gn)):  # nothing non-finite is applied or saved
-            msg = f"loss {loss} / grad norm {gn} at step {step + 1}: stopped before the update"
-            raise FloatingPointError(f"{msg}, nothing saved; try a lower --lr")
+        done = step + 1
+        loss = control.agree(loss, gn, done)  # raises before a non-finite update; agrees on saving and stopping
         opt.step()
         opt.zero_grad(set_to_none=True)
-        done, dt = step + 1, time.perf_counter() - t_step
-        meter.add(dt, loss=loss)
+        meter.add(dt := time.perf_counter() - t_step, loss=loss)
         if meter.due(done):
             w, tps = meter.flush(done), round(n_tokens / dt)
             log.log("finetune", step=done, loss=w["loss"], lr=lr, grad_norm=gn, tokens_per_s=tps, eta=w["eta"])
         if val and (done % cfg.eval_every == 0 or done == steps):
             log.log("eval", step=done, val_loss=evaluate(model, val, cfg, proc, pad_id))
-    save(model, cfg, tok, proc, log, time.time() - t0)
+        control.save(done, last_step=done == steps)
+        if control.stopping:  # after a stop signal the checkpoint is written, and the resumed run exports
+            break
+    control.close()
+    if not control.stopping:
+        save(model, cfg, tok, proc, log, time.time() - t0)
 
 
 def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLogger, seconds: float) -> None:
@@ -236,21 +245,12 @@ def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLog
             lora.merge_lora(base)
             eos = [tok.token_to_id(EOT), tok.token_to_id(EOS)]
             ids = {"bos_id": tok.token_to_id(BOS), "eos_id": eos, "pad_id": tok.token_to_id(PAD)}
-            save_pretrained(base, merged, dtype=read_config_dtype(cfg.model), token_ids=ids)
+            save_pretrained(base, merged, dtype=saved_dtype(cfg.model), token_ids=ids)  # the base's size
             copy_tokenizer_files(cfg.tokenizer, merged)
             atomic_write_json(os.path.join(merged, MERGED_MARK), {"adapter": os.path.abspath(cfg.out)})
             log.log("export", dir=merged, merged=True)
     if proc.world_size > 1:
         torch.distributed.barrier()
-
-
-def read_config_dtype(model_dir: str) -> torch.dtype:
-    """The dtype a HF model dir was saved in (config.json's torch_dtype), for a merged export of the same size."""
-    import json
-
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        hf = json.load(f)
-    return getattr(torch, str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), torch.float32)
 
 
 def try_model(cfg: FinetuneConfig) -> None:

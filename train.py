@@ -27,7 +27,7 @@ from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan
 from minilm_az.data import BatchStream
 from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
-from minilm_az.launch.flags import in_sagemaker, make_parser, parse_config
+from minilm_az.launch.flags import make_parser, parse_config
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
@@ -65,7 +65,6 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
         if not flags.eval_only and path and os.path.abspath(path) == os.path.abspath(out):
             raise UsageError(f"--out {out} is also --{name.replace('_', '-')}: the export would overwrite it")
     steps = flags.steps or recipe.steps
-    on_sagemaker = 30.0 if in_sagemaker() else 0.0  # there a spot interruption sends no SIGTERM we could act on
     return TrainPlan(
         flags=flags,
         out=out,
@@ -73,7 +72,6 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
         steps=steps,
         lr=recipe.lr if flags.lr is None else flags.lr,
         warmup=max(1, steps // 20) if flags.warmup is None else flags.warmup,
-        checkpoint_minutes=on_sagemaker if flags.checkpoint_minutes is None else flags.checkpoint_minutes,
         seq_len=seq_len,
         micro_batch=micro_batch,
         fp8_all_gather=fp8_all_gather,
@@ -226,14 +224,14 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     parallel.fp8_scale_hook(model, optimizer, on=plan.fp8_all_gather)
     must, may = run_identity(plan, model)
     ckpt_dir = os.path.join(plan.checkpoint_dir, f"phase{flags.phase}")
-    ckpt = checkpoint.Checkpointer(ckpt_dir, proc.rank, proc.local_rank, flags.keep_checkpoints, flags.async_checkpoint)
+    ckpt = checkpoint.Checkpointer(ckpt_dir, proc, flags.keep_checkpoints, flags.async_checkpoint)
     state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
-    control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, plan.checkpoint_minutes, log)
+    control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)
     start = 0
     if flags.resume == "auto":  # the newest complete checkpoint made from these same inputs
-        start, _ = checkpoint.resume(ckpt_dir, model, optimizer, proc.rank, must, may, log.info)
+        start, _ = ckpt.resume(model, optimizer, must, may, log.info)
     if start:
-        log.log("resume", **{"from": os.path.join(ckpt_dir, f"step-{start:08d}")}, step=start)
+        log.log("resume", **{"from": ckpt.last()}, step=start)
     else:
         log.log("eval", step=0, **evaluate(model, *val, plan, proc, log, 0))
     meter = Progress(plan.steps, start, every=flags.log_every)

@@ -1,10 +1,11 @@
-"""Training checkpoints (DCP): atomic saves, the `latest` pointer, `resume`, and the loop's `RunControl`.
+"""Training checkpoints (DCP): saves that survive per-host sync, manifests, `resume`, and the loop's `RunControl`.
 
-Checkpoints are written with `torch.distributed.checkpoint` into `step-N.tmp`, renamed into place, then
-pointed at by `latest` (`Checkpointer`, synchronous or in the background); `resume` loads the newest
-complete one that loads, falling back to older ones; `RunControl` decides when the loop saves and stops.
-Nothing in a checkpoint is unpickled freely: DCP's `.metadata` admits only DCP's own classes, everything
-else loads with weights_only=True. Model weights in and out of Hugging Face directories live in hf.py.
+A save is written with `torch.distributed.checkpoint` into a staging dir, each rank then writes a manifest of its
+files (sizes, sha256), and the dir is renamed into place (`Checkpointer`, synchronous or in the background);
+`Checkpointer.resume` loads the newest checkpoint whose every manifest is present and matches, agreed by all
+ranks; `RunControl` decides when the loop saves and stops. Nothing in a checkpoint is unpickled freely: DCP's
+`.metadata` admits only DCP's own classes, everything else loads with weights_only=True. Model weights in and
+out of Hugging Face directories live in hf.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shutil
 import signal
 import time
@@ -27,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minilm_az.logs import MetricLogger
-from minilm_az.outputs import atomic_write_json, atomic_write_text
+from minilm_az.outputs import atomic_write_json, file_sha256
 from minilm_az.parallel import Process, all_reduce_sum
 
 
@@ -37,18 +39,24 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------- training checkpoints (DCP)
 #
-# ckpt_dir/step-00001000/   .metadata, __<rank>_0.distcp (DCP), rng-<rank>.safetensors, train_state.json
-# ckpt_dir/latest           "step-00001000"
+# ckpt_dir/step-00001000-3fa9c2d1/   .metadata and train_state.json (rank 0), and per rank R: __R_0.distcp (DCP),
+#                                    rng-0000R.safetensors, and manifest-0000R.json listing R's files
+# ckpt_dir/step-00001000-3fa9c2d1.sagemaker-ignore/   the same save while it is written
 #
-# Every rank writes into step-N.tmp; once all are done, local rank 0 of each host renames it to step-N
-# (per-host disks, as on SageMaker, each get their own rename) and points `latest` at it, so a crash at
-# any point leaves the previous checkpoint complete and named by `latest`.
+# On SageMaker every host syncs its own checkpoint dir to one S3 prefix, independently and in its own order,
+# deletions included, and a restarted job starts from whatever the prefix holds (tests/s3_sync.py models it).
+# Three rules make that safe. A save never reuses a dir name (the step and a token drawn once per run), so no
+# host's deletion of an old attempt can remove another host's upload of a new one. A save is written under
+# SageMaker's ignore suffix, which its agent never uploads, and renamed once written: the agent uploads finished
+# files only, and no temporary ones. A checkpoint counts only when every rank's manifest is present and every
+# file matches it, so the order in which the files reached S3 does not matter.
 
-_STEP_DIR = re.compile(r"step-(\d+)")
+_STEP_DIR = re.compile(r"step-(\d{8})-([0-9a-f]{8})")
+STAGING = ".sagemaker-ignore"
 
 
-def _step_dir(ckpt_dir: str, step: int) -> str:
-    return os.path.join(ckpt_dir, f"step-{step:08d}")
+def _manifest(rank: int) -> str:
+    return f"manifest-{rank:05d}.json"
 
 
 # DCP's `.metadata` is a pickle, so a file planted in a checkpoint dir could run code when read. These are
@@ -86,112 +94,87 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def _load_metadata(path: str):
-    """DCP's Metadata of checkpoint dir `path`. Raises CheckpointError on a refused global, else pickle's errors."""
-    file = os.path.join(path, ".metadata")
-    with open(file, "rb") as f:
-        return _MetadataUnpickler(f, file).load()
-
-
 def read_metadata(path: str):
     """DCP's Metadata of a checkpoint dir, unpickled with only DCP's own classes allowed."""
+    file = os.path.join(path, ".metadata")
     try:
-        return _load_metadata(path)
+        with open(file, "rb") as f:
+            return _MetadataUnpickler(f, file).load()
     except CheckpointError:
         raise
     except Exception as e:  # a truncated pickle fails in many ways
-        raise CheckpointError(f"{os.path.join(path, '.metadata')}: unreadable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
 
 
-def _data_files_present(path: str, metadata) -> bool:
-    """Every file the metadata names exists and is long enough for the byte ranges read from it."""
-    need: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        if os.path.basename(info.relative_path) != info.relative_path:
-            raise CheckpointError(
-                f"{path}/.metadata: names a data file outside the checkpoint ({info.relative_path!r})"
+def _rank_files(path: str, rank: int) -> list[str]:
+    """The files `rank` wrote into checkpoint dir `path`: its DCP data and RNG, and rank 0's metadata and state."""
+    names = [n for n in os.listdir(path) if re.fullmatch(rf"__{rank}_\d+\.distcp", n)]
+    return sorted(names + [f"rng-{rank:05d}.safetensors"] + ([".metadata", "train_state.json"] if rank == 0 else []))
+
+
+def _write_manifest(path: str, step: int, rank: int, world: int) -> None:
+    files = {}
+    for name in _rank_files(path, rank):
+        file = os.path.join(path, name)
+        files[name] = {"size": os.path.getsize(file), "sha256": file_sha256(file)}
+    atomic_write_json(os.path.join(path, _manifest(rank)), {"step": step, "world_size": world, "files": files})
+
+
+def _read_manifests(path: str) -> tuple[list[tuple[str, dict]], str | None]:
+    """Every file that the manifests of checkpoint dir `path` list, with what it must be; or what is missing."""
+    listed: list[tuple[str, dict]] = []
+    world = 1
+    rank = 0
+    while rank < world:
+        file = os.path.join(path, _manifest(rank))
+        if not os.path.isfile(file):
+            return [], f"{_manifest(rank)} is missing (rank {rank}'s files: a save or a sync that did not finish)"
+        try:
+            with open(file) as fh:
+                m = json.load(fh)
+            world = world if rank else int(m["world_size"])
+            files = m["files"]
+            ok = m["world_size"] == world and all(
+                os.path.basename(n) == n and isinstance(f["size"], int) and isinstance(f["sha256"], str)
+                for n, f in files.items()
             )
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for rel, size in need.items():
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file) or os.path.getsize(file) < size:
-            return False
-    return True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return [], f"{_manifest(rank)} is unreadable ({type(e).__name__})"
+        if not ok:
+            return [], f"{_manifest(rank)} is not this run's manifest"
+        listed += sorted(files.items())
+        rank += 1
+    return listed, None
 
 
-def is_complete(path: str) -> bool:
-    """All of a checkpoint is here: its state, every rank's RNG file, DCP's metadata and all the data it names.
+def check(path: str, share: int = 0, shares: int = 1) -> str | None:
+    """None if checkpoint dir `path` is complete, else what is missing or wrong, naming the file.
 
-    On several hosts each one syncs its own disk to S3, so `latest` can arrive before another host's
-    shards do, or a shard only partly; such a checkpoint does not count. Raises CheckpointError when the
-    metadata holds anything but DCP's own classes (it is never silently skipped).
+    Complete: every rank's manifest is present and each file it lists has its size and sha256. Of the files, this
+    call reads every `shares`-th from `share` on: the local ranks of a host split the reading of its disk.
     """
-    state_file = os.path.join(path, "train_state.json")
-    if not (os.path.isfile(state_file) and os.path.isfile(os.path.join(path, ".metadata"))):
-        return False
-    try:
-        with open(state_file) as fh:
-            world = int(json.load(fh).get("world_size", 1))
-    except (OSError, ValueError):
-        return False
-    if not all(os.path.isfile(os.path.join(path, f"rng-{r:05d}.safetensors")) for r in range(world)):
-        return False
-    try:
-        metadata = _load_metadata(path)
-    except CheckpointError:
-        raise
-    except Exception:  # truncated or half-synced
-        return False
-    return _data_files_present(path, metadata)
+    listed, missing = _read_manifests(path)
+    if missing:
+        return missing
+    for i, (name, want) in enumerate(listed):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if i % shares == share and (os.path.getsize(file), file_sha256(file)) != (want["size"], want["sha256"]):
+            return f"{name} does not match its manifest (size or sha256): a damaged or partly synced file"
+    return None
 
 
-def _step_of(name: str) -> int:
-    return int(_STEP_DIR.fullmatch(name).group(1))
-
-
-def _step_dirs(ckpt_dir: str) -> list[str]:
-    """Names of the finished step dirs (not .tmp), newest step first."""
-    return sorted((d for d in os.listdir(ckpt_dir) if _STEP_DIR.fullmatch(d)), key=_step_of, reverse=True)
-
-
-def _read_pointer(pointer: str) -> str:
-    """The step dir name `latest` holds. Anything else (binary, a path, another file copied over it) is refused:
-    which checkpoint it meant cannot be known, and guessing could resume the wrong one."""
-    try:
-        with open(pointer, "rb") as fh:
-            raw = fh.read(256)
-    except OSError as e:
-        raise CheckpointError(f"{pointer}: unreadable checkpoint pointer ({e.strerror})") from None
-    try:
-        target = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        target = None
-    if target is None or not _STEP_DIR.fullmatch(target):
-        raise CheckpointError(
-            f"{pointer}: not a checkpoint pointer (expected a name like step-00001000, got "
-            f"{raw[:40]!r}); delete it to resume from the newest complete checkpoint, or use "
-            f"--resume never"
-        )
-    return target
-
-
-def complete_checkpoints(ckpt_dir: str | None) -> list[str]:
-    """Complete checkpoints of ckpt_dir, newest first: the one `latest` names, then the others by step."""
-    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+def step_dirs(ckpt_dir: str) -> list[str]:
+    """Names of the checkpoint dirs in ckpt_dir (not staging ones), newest step first."""
+    if not os.path.isdir(ckpt_dir):
         return []
-    names = _step_dirs(ckpt_dir)
-    pointer = os.path.join(ckpt_dir, "latest")
-    if os.path.isfile(pointer):
-        target = _read_pointer(pointer)
-        if target in names:
-            names = [target] + [n for n in names if n != target]
-    return [os.path.join(ckpt_dir, n) for n in names if is_complete(os.path.join(ckpt_dir, n))]
+    return sorted((d for d in os.listdir(ckpt_dir) if _STEP_DIR.fullmatch(d)), reverse=True)
 
 
-def latest_checkpoint(ckpt_dir: str | None) -> str | None:
-    """The newest complete checkpoint: the one `latest` names, else the highest complete step dir."""
-    done = complete_checkpoints(ckpt_dir)
-    return done[0] if done else None
+def latest_checkpoint(ckpt_dir: str) -> str | None:
+    """The newest complete checkpoint in ckpt_dir, read on this process alone (for tools and tests)."""
+    return next((os.path.join(ckpt_dir, n) for n in step_dirs(ckpt_dir) if not check(os.path.join(ckpt_dir, n))), None)
 
 
 def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None:
@@ -205,28 +188,15 @@ def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None
         atomic_write_json(os.path.join(tmp, "train_state.json"), {**train_state, "step": step, "world_size": world})
 
 
-def _prune(ckpt_dir: str, final: str, keep: int) -> None:
-    """Keep `final` and the keep-1 checkpoints before it; drop leftovers of killed saves.
+def _prune(ckpt_dir: str, kept: list[str]) -> None:
+    """Remove every checkpoint dir but `kept`, and the staging dirs of saves that never finished.
 
-    Step dirs newer than `final` are from a run this one did not continue (a checkpoint that failed to
-    load, or --resume never): left in place they would be taken for this run's latest.
+    The others are older than --keep-checkpoints, incomplete (a save or sync that never finished: nothing can
+    complete it now), or another run's that this one did not continue (left, they could be resumed instead).
     """
-    step = _step_of(os.path.basename(final))
-    older = [n for n in _step_dirs(ckpt_dir) if _step_of(n) < step]
-    drop = older[max(keep - 1, 0) :] + [n for n in _step_dirs(ckpt_dir) if _step_of(n) > step]
-    drop += [n for n in os.listdir(ckpt_dir) if n.startswith("step-") and n.endswith((".tmp", ".old"))]
-    for n in drop:
-        shutil.rmtree(os.path.join(ckpt_dir, n), ignore_errors=True)
-
-
-def _publish(ckpt_dir: str, tmp: str, final: str, keep: int) -> None:
-    """step-N.tmp -> step-N, `latest` -> step-N, prune. Run by one process per disk."""
-    if os.path.isdir(final):  # the same step saved again (after resuming from it): never a moment with neither
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)
-    atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(final))
-    _prune(ckpt_dir, final, keep)
+    for name in os.listdir(ckpt_dir):
+        if (_STEP_DIR.fullmatch(name) and name not in kept) or (name.startswith("step-") and name.endswith(STAGING)):
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 
 def _inner(e: BaseException) -> BaseException:
@@ -250,22 +220,27 @@ def _one_line(e: BaseException) -> str:
 
 
 class Checkpointer:
-    """Training checkpoints of one run: write step-N (sync, or in the background), publish it, keep `keep`.
+    """Training checkpoints of one run: write a save (sync, or in the background), publish it, keep `keep`.
 
     With `async_save` the model and optimizer state are copied to CPU memory inside save() (on CUDA into
     pinned buffers made at the first save and reused after), and DCP writes that copy from a background
     thread while training goes on; its collectives run on a gloo group of their own, never on the training
-    job's NCCL. A write is published (renamed, `latest` updated) only by finalize(), which every rank calls
-    at the same step.
+    job's NCCL. A write is published (manifests written, renamed into place, older ones pruned) only by
+    finalize(), which every rank calls at the same step. Building one is collective.
     """
 
-    def __init__(self, ckpt_dir: str, rank: int, local_rank: int, keep: int = 2, async_save: bool = True):
-        self.ckpt_dir, self.rank, self.local_rank, self.keep = ckpt_dir, rank, local_rank, keep
-        self.async_save = async_save
-        self._pending = None  # (step, future or None)
+    def __init__(self, ckpt_dir: str, proc: Process, keep: int = 2, async_save: bool = True):
+        self.ckpt_dir, self.proc, self.keep, self.async_save = ckpt_dir, proc, keep, async_save
+        self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the processes that share this host's disk
+        self.kept: list[str] = []  # complete checkpoints of this run (the one resumed, then the saved), oldest first
+        self._pending = None  # (step, name, future or None)
         self._group = self._writer = None
         if async_save:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank builds its Checkpointer together
+            self._group = dist.new_group(backend="gloo")
+        token = [secrets.token_hex(4)]  # one per run: with the step, a name no earlier save attempt can have had
+        if dist.is_initialized() and proc.world_size > 1:
+            dist.broadcast_object_list(token, src=0)
+        self.token = token[0]
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -275,19 +250,22 @@ class Checkpointer:
         """Start writing step's checkpoint; returns once the state is copied off the device (async) or written
         and published (sync). A previous pending save is finalized first. Collective."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         self.finalize()  # one write in flight at most: the staging buffers are reused
-        tmp = _step_dir(self.ckpt_dir, step) + ".tmp"
-        if self.local_rank == 0:
+        name = f"step-{step:08d}-{self.token}"
+        tmp = os.path.join(self.ckpt_dir, name + STAGING)
+        if self.proc.local_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
         self._barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # Frozen weights (phase 1's backbone, a fine-tune's base) are rebuilt from their inputs at resume, which
+        # the train state's fingerprints pin: a checkpoint holds only what trains.
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
         state = {"model": model_sd, "optim": optim_sd}
         error = None
         try:
-            _write_rank_files(tmp, step, train_state, self.rank)
+            _write_rank_files(tmp, step, train_state, self.proc.rank)
         except Exception as e:  # a full disk shows here first (safetensors' error is not an OSError)
             error = _one_line(e)
         if error := _first_error(error):  # every rank learns of it: none goes on into DCP's collectives alone
@@ -299,7 +277,7 @@ class Checkpointer:
                 storage_writer=self._async_writer(tmp),
                 process_group=self._group,
             )
-            self._pending = (step, getattr(fut, "upload_completion", fut))
+            self._pending = (step, name, getattr(fut, "upload_completion", fut))
         else:
             from torch.distributed.checkpoint.api import CheckpointException
 
@@ -309,7 +287,7 @@ class Checkpointer:
                 if isinstance(_inner(e), KeyboardInterrupt):  # Ctrl-C, which DCP wraps too: not a write failure
                     raise KeyboardInterrupt from None
                 raise self._not_written(step, _one_line(e)) from None
-            self._pending = (step, None)
+            self._pending = (step, name, None)
             self.finalize()
 
     def _async_writer(self, tmp: str):
@@ -331,42 +309,44 @@ class Checkpointer:
 
     def pending_done(self) -> bool:
         """Local and non-blocking: no save pending, or this rank's part of its write has finished."""
-        return self._pending is None or self._pending[1] is None or self._pending[1].done()
+        return self._pending is None or self._pending[2] is None or self._pending[2].done()
 
     def finalize(self) -> str | None:
-        """Collective: wait for the pending write on every rank, publish it (step-N, `latest`, prune).
+        """Collective: wait for the pending write on every rank, then publish it: each rank's manifest, the rename
+        into place (once per disk), the pruning of what it supersedes.
 
         Returns its path, or None when nothing was pending (then it costs nothing and talks to no rank).
-        Raises CheckpointError on every rank if any rank's write failed; `latest` then still names the previous one.
+        Raises CheckpointError on every rank if any rank's write failed; nothing older is pruned then.
         """
         if self._pending is None:
             return None
-        step, fut = self._pending
+        step, name, fut = self._pending
         self._pending = None
-        error, failed = None, False
-        if fut is not None:  # async; a sync save raised in save() already, on every rank (DCP gathers errors)
-            from torch.distributed.checkpoint.api import CheckpointException
-
-            try:
+        tmp, final = os.path.join(self.ckpt_dir, name + STAGING), os.path.join(self.ckpt_dir, name)
+        error = None
+        try:
+            if fut is not None:  # async; a sync save raised in save() already, on every rank (DCP gathers errors)
                 fut.result()
-            except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
-                error = _one_line(e)
-            flag = torch.tensor([error is not None], dtype=torch.int32)
-            if dist.is_initialized():  # every rank learns of a failure anywhere, so all take the same path
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            failed = bool(flag.item())
-        if failed:
+            _write_manifest(tmp, step, self.proc.rank, self.proc.world_size)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = _one_line(e)
+        flag = torch.tensor([error is not None], dtype=torch.int32)
+        if dist.is_initialized():  # every rank learns of a failure anywhere, so all take the same path
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item():
             raise self._not_written(step, error or "failed on another rank")
-        final = _step_dir(self.ckpt_dir, step)
-        tmp = final + ".tmp"
-        # One rename per disk: rank 0, and local rank 0 of any host whose disk lacks rank 0's .metadata
-        # (per-host disks). On a shared disk the others see .metadata (or the dir already renamed) and wait.
-        if (
-            self.local_rank == 0
-            and os.path.isdir(tmp)
-            and (self.rank == 0 or not os.path.isfile(os.path.join(tmp, ".metadata")))
-        ):
-            _publish(self.ckpt_dir, tmp, final, self.keep)
+        # Now complete on every rank. One rename per disk: rank 0 first; then local rank 0 of any host that still
+        # sees the staging dir has a disk of its own (as on SageMaker) and renames there. Each renamer prunes.
+        renamed = self.proc.rank == 0 and os.path.isdir(tmp)
+        if renamed:
+            os.replace(tmp, final)
+        self._barrier()
+        if self.proc.rank != 0 and self.proc.local_rank == 0 and os.path.isdir(tmp):
+            os.replace(tmp, final)
+            renamed = True
+        self.kept = [*self.kept, name][-self.keep :]
+        if renamed:
+            _prune(self.ckpt_dir, self.kept)
         self._barrier()
         return final
 
@@ -374,9 +354,13 @@ class Checkpointer:
         # A full disk shows up as torch's "unexpected pos" or an ENOSPC deep in DCP: the free space says which.
         free = shutil.disk_usage(self.ckpt_dir).free / 2**30
         return CheckpointError(
-            f"{_step_dir(self.ckpt_dir, step)}.tmp: checkpoint of step {step} was not written ({reason}; "
-            f"{free:.1f} GiB free on its disk); `latest` still names the previous one"
+            f"{self.ckpt_dir}: checkpoint of step {step} was not written ({reason}; {free:.1f} GiB free on its disk); "
+            f"the last complete one is {self.last() or 'none yet'}"
         )
+
+    def last(self) -> str | None:
+        """The path of this run's newest complete checkpoint (resumed or saved), if any."""
+        return os.path.join(self.ckpt_dir, self.kept[-1]) if self.kept else None
 
     def close(self) -> None:
         """Finalize a pending save (collective), then release the pinned copy and the gloo group."""
@@ -385,6 +369,49 @@ class Checkpointer:
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             self._group = None
+
+    def resume(self, model, optimizer, must_match: dict, may_change: dict, warn) -> tuple[int, dict | None]:
+        """Load the newest checkpoint that is complete on every host and loads; (step, train_state), or (0, None)
+        when ckpt_dir holds none at all.
+
+        Collective. Every rank checks its share of its own disk's files against the manifests, and a checkpoint
+        counts only if no rank found a problem; one that does not count, or does not load, gives a warning naming
+        the file and the one before it is tried. When checkpoint dirs exist but none can be resumed, that is an
+        error, never a silent start from step 0 (--resume never starts fresh). A checkpoint saved with another
+        value of a `must_match` key (model shape, phase) raises; changed `may_change` keys (seed, batch) give one
+        warning line. `warn(line)` is called on rank 0 only.
+        """
+        rank = self.proc.rank
+        names = _on_rank0(lambda: step_dirs(self.ckpt_dir), rank)
+        skipped = []
+        for i, name in enumerate(names):
+            path = os.path.join(self.ckpt_dir, name)
+            error = _first_error(check(path, self.proc.local_rank, self.local_ranks))
+            if error is None:
+                saved = _on_rank0(functools.partial(read_train_state, path), rank)
+                changed = _check_state(path, saved, must_match, may_change)
+                try:
+                    load_train_checkpoint(path, model, optimizer, rank)
+                except CheckpointError as e:
+                    error = str(e).removeprefix(f"{path}: ")
+                except Exception as e:  # a corrupt RNG file, a rank's own failure
+                    error = _one_line(e)
+                error = _first_error(error)
+            if error is None:
+                if changed and rank == 0:
+                    warn(f"warning: resuming from {path} with changed {', '.join(changed)}")
+                self.kept = names[i : i + self.keep][::-1]
+                return int(saved["step"]), saved
+            skipped.append(f"{name}: {error}")
+            if rank == 0:
+                warn(f"warning: {path} cannot be resumed ({error}); trying the one before it")
+        if skipped:  # the model may be partly overwritten by failed loads, and a silent restart loses the run
+            more = f" (and {len(skipped) - 1} older)" if len(skipped) > 1 else ""
+            raise CheckpointError(
+                f"{self.ckpt_dir}: no checkpoint can be resumed: {skipped[0]}{more}; nothing was deleted; restore "
+                f"the missing files, or start fresh with --resume never"
+            )
+        return 0, None
 
 
 # ---------------------------------------------------------------- run control: when the loop saves and stops
@@ -418,7 +445,7 @@ class RunControl:
         loss = loss_sum / self.proc.world_size
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same values
             self.close()  # a save still being written is finished first, because it is the last good one
-            last = latest_checkpoint(self.checkpointer.ckpt_dir) or "none"
+            last = self.checkpointer.last() or "none"
             msg = f"loss {loss} / grad norm {grad_norm} at step {step}: stopped before the update"
             raise FloatingPointError(f"{msg}; last good checkpoint: {last}")
         return loss
@@ -458,9 +485,10 @@ def _dcp_load(state: dict, path: str) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    metadata = read_metadata(path)  # here, not only inside DCP, whose wrapping would bury the one-line reason
+
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            metadata = read_metadata(path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -483,12 +511,13 @@ def _dcp_load(state: dict, path: str) -> None:
 def load_train_checkpoint(path: str, model, optimizer, rank: int) -> None:
     """Restore model + optimizer shards (any world size: DCP reshards) and this rank's RNG. What the run was
     (step, inputs) is `read_train_state(path)`, which `resume` reads first, to refuse another run's checkpoint."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(ignore_frozen_params=True)  # as saved: what trains
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     _dcp_load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     rng_file = os.path.join(path, f"rng-{rank:05d}.safetensors")
     if os.path.isfile(rng_file):  # absent when resuming on more ranks than saved: fresh RNG for those
         with safe_open(rng_file, "pt") as f:
@@ -560,54 +589,6 @@ def read_train_state(path: str) -> dict:
             return json.load(fh)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}/train_state.json: unreadable ({e})") from None
-
-
-def _newer_incomplete(ckpt_dir: str, complete: list[str]) -> list[str]:
-    """Finished step dirs newer than the newest complete checkpoint that are not complete themselves."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    names = _step_dirs(ckpt_dir)
-    newest = os.path.basename(complete[0]) if complete else None
-    newer = names[: names.index(newest)] if newest in names else names
-    return [os.path.join(ckpt_dir, n) for n in newer if os.path.join(ckpt_dir, n) not in complete]
-
-
-def resume(
-    ckpt_dir: str, model, optimizer, rank: int, must_match: dict, may_change: dict, warn
-) -> tuple[int, dict | None]:
-    """Load the newest loadable complete checkpoint of ckpt_dir; (step, train_state), or (0, None) if none.
-
-    Collective. A checkpoint saved with another value of a `must_match` key (model shape, phase) raises
-    CheckpointError; changed `may_change` keys (seed, batch) give one warning line. A checkpoint that
-    fails to load gives a warning and the previous one is tried. `warn(line)` is called on rank 0 only.
-    """
-    candidates = _on_rank0(lambda: complete_checkpoints(ckpt_dir), rank)
-    if rank == 0:
-        for path in _newer_incomplete(ckpt_dir, candidates):
-            warn(f"warning: {path} is incomplete (a save or a sync that did not finish); skipped")
-    for path in candidates:
-        saved = _on_rank0(functools.partial(read_train_state, path), rank)
-        changed = _check_state(path, saved, must_match, may_change)
-        error = None
-        try:
-            load_train_checkpoint(path, model, optimizer, rank)
-        except CheckpointError as e:
-            error = str(e).removeprefix(f"{path}: ")
-        except Exception as e:  # a corrupt RNG file, a rank's own failure
-            error = _one_line(e)
-        error = _first_error(error)
-        if error is None:
-            if changed and rank == 0:
-                warn(f"warning: resuming from {path} with changed {', '.join(changed)}")
-            return int(saved["step"]), saved
-        if rank == 0:
-            warn(f"warning: {path} could not be loaded ({error}); trying the previous checkpoint")
-    if candidates:  # the model may be partly overwritten by the failed loads: never train on from there
-        raise CheckpointError(
-            f"{ckpt_dir}: no checkpoint could be loaded (tried {len(candidates)}); "
-            f"use --resume never or another --checkpoint-dir"
-        )
-    return 0, None
 
 
 # ---------------------------------------------------------------- identities (what a resume must agree on)

@@ -34,11 +34,34 @@ def _f(default: Any, help: str, **meta) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
-# ---------------------------------------------------------------- train.py
+# ---------------------------------------------------------------- train.py and finetune.py
 
 
 @dataclass
-class TrainConfig:
+class CheckpointFlags:
+    """How train.py and finetune.py checkpoint and resume (one checkpointer: minilm_az/checkpoint.py)."""
+
+    checkpoint_dir: str | None = _f(
+        None, "training checkpoints (default OUT/checkpoints)", container=CONTAINER_CHECKPOINTS
+    )
+    resume: str = _f(
+        "auto", "auto: continue from the newest complete checkpoint; never: start fresh", choices=("auto", "never")
+    )
+    checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)", lo=0)
+    checkpoint_minutes: float = _f(
+        0.0,
+        "also checkpoint every N minutes of wall time (0: off; 30 on SageMaker, where no SIGTERM reaches us)",
+        lo=0.0,
+        sagemaker=30.0,
+    )
+    async_checkpoint: bool = _f(
+        True, "write checkpoints in the background (training waits only for the copy off the GPU)"
+    )
+    keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
+
+
+@dataclass
+class TrainConfig(CheckpointFlags):
     phase: int = _f(2, "1: train embeddings only (new vocabulary adapts); 2: train everything", choices=(1, 2))
     preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
     base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
@@ -49,12 +72,6 @@ class TrainConfig:
     data: str | None = _f(None, "token shards dir (tokenize.py encode)", channel="data")
     out: str | None = _f(
         None, "final HF-format model and metrics.jsonl (default runs/phaseN)", container=CONTAINER_MODEL
-    )
-    checkpoint_dir: str | None = _f(
-        None, "training checkpoints (default OUT/checkpoints)", container=CONTAINER_CHECKPOINTS
-    )
-    resume: str = _f(
-        "auto", "auto: continue from the newest complete checkpoint; never: start fresh", choices=("auto", "never")
     )
     steps: int | None = _f(None, f"optimizer steps (default: phase 1 {PHASE_1.steps}, phase 2 {PHASE_2.steps})", lo=1)
     lr: float | None = _f(
@@ -76,16 +93,6 @@ class TrainConfig:
     eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0)
     eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
-    checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)", lo=0)
-    checkpoint_minutes: float | None = _f(
-        None,
-        "also checkpoint every N minutes of wall time (default 30 on SageMaker, where SIGTERM never reaches us)",
-        lo=0.0,
-    )
-    async_checkpoint: bool = _f(
-        True, "write checkpoints in the background (training waits only for the copy off the GPU)"
-    )
-    keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
     eval_only: bool = _f(False, "only evaluate BPB of --base-model with --tokenizer on --eval-text or val split")
     eval_text: list[str] | None = _f(None, "raw text files for BPB (default: the val split's documents)", nargs="+")
     device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
@@ -123,7 +130,6 @@ class TrainPlan:
     steps: int
     lr: float
     warmup: int
-    checkpoint_minutes: float  # 0 turns the checkpoint clock off
     seq_len: int
     micro_batch: int
     fp8_all_gather: bool  # FSDP2 gathers float8 weights (--fp8-all-gather auto is on with several processes)
@@ -135,7 +141,7 @@ class TrainPlan:
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(CheckpointFlags):
     model: str | None = _f(None, "HF-format Llama directory (the CPT export)", channel="model")
     tokenizer: str | None = _f(None, "directory with tokenizer.json (default: --model)", channel="tokenizer")
     data: str | None = _f(

@@ -147,6 +147,12 @@ def read_config(path: str) -> ModelConfig:
     return config_from_hf(read_json(f, ModelDirError), f)
 
 
+def saved_dtype(path: str) -> torch.dtype:
+    """The dtype a HF model dir was saved in (config.json's torch_dtype), float32 when it does not say."""
+    hf = read_json(os.path.join(path, "config.json"), ModelDirError)
+    return getattr(torch, str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), torch.float32)
+
+
 # ---------------------------------------------------------------- safetensors in
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import glob
 import gzip
 import hashlib
 import json
@@ -114,10 +115,11 @@ def other_base(fx, w):
     return {**out, "MB": mb}
 
 
-def binary_latest(fx, w):
+def no_complete_checkpoint(fx, w):
+    """The run above, with every checkpoint lacking a manifest: a sync that never finished."""
     out = run_copy(fx, w)
-    with open(os.path.join(out["X"], "checkpoints", "phase2", "latest"), "wb") as f:
-        f.write(b"\xff\xfe\x00\x01\x89PNG\r\n\x1a\n")
+    for manifest in glob.glob(os.path.join(out["X"], "checkpoints", "phase2", "step-*", "manifest-00000.json")):
+        os.remove(manifest)
     return out
 
 
@@ -527,11 +529,11 @@ ROWS = [
         fast=True,
     ),
     Row(
-        "train_binary_latest",
+        "train_no_complete_checkpoint",
         f"{TR} --base-model {{M}} --checkpoint-every 1 --resume auto --out {{X}}",
-        fragment="{X}/checkpoints/phase2/latest",
+        fragment="{X}/checkpoints/phase2: no checkpoint can be resumed: step-00000002-",
         protect=("{X}/checkpoints", "{X}/model.safetensors"),
-        prep=binary_latest,
+        prep=no_complete_checkpoint,
     ),
     Row(
         "finetune_invalid_utf8_line",
@@ -752,11 +754,8 @@ def fx(tmp_path_factory) -> dict:
             p,
         ),
     )
-    assert sorted(os.listdir(os.path.join(p["RUN"], "checkpoints", "phase2"))) == [
-        "latest",
-        "step-00000001",
-        "step-00000002",
-    ]
+    names = sorted(os.listdir(os.path.join(p["RUN"], "checkpoints", "phase2")))
+    assert [n[: len("step-00000001")] for n in names] == ["step-00000001", "step-00000002"]
     print(f"fixtures: {time.monotonic() - t0:.1f} s")  # shown with -s
     return p
 

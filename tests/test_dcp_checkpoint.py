@@ -1,6 +1,8 @@
-"""Training checkpoints (DCP): integrity, safe unpickling, resume with fallback, async save, kill during a write."""
+"""Training checkpoints (DCP): manifests, names never reused, safe unpickling, resume with fallback, async save,
+kill during a write, per-host disks."""
 
 import errno
+import json
 import os
 import pickle
 import signal
@@ -15,16 +17,17 @@ import torch.distributed as dist
 
 from minilm_az import parallel
 from minilm_az.checkpoint import (
+    STAGING,
     Checkpointer,
     CheckpointError,
-    complete_checkpoints,
-    is_complete,
+    check,
     latest_checkpoint,
     load_train_checkpoint,
     read_train_state,
-    resume,
+    step_dirs,
 )
 from minilm_az.model import ModelConfig, materialize, meta_model
+from minilm_az.outputs import file_sha256
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=320, max_seq_len=64)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,9 +42,27 @@ def group():
     dist.destroy_process_group()
 
 
-def save_train_checkpoint(d, step, model, opt, state, rank, local_rank, keep=2):
-    Checkpointer(d, rank, local_rank, keep, async_save=False).save(step, model, opt, state)
-    return os.path.join(d, f"step-{step:08d}")
+PROC = parallel.Process(0, 1, 0, torch.device("cpu"))
+
+
+RUNS: dict[str, Checkpointer] = {}  # one run per checkpoint dir: a second run would prune the first one's saves
+
+
+def save_train_checkpoint(d, step, model, opt, state=STATE, keep=2) -> str:
+    """A save by the run that writes into d (synchronous); the new dir's path."""
+    ck = RUNS.setdefault(str(d), Checkpointer(str(d), PROC, keep, async_save=False))
+    ck.keep = keep
+    ck.save(step, model, opt, state)
+    return ck.last()
+
+
+def resume(d, model, opt, must, may, warn):
+    return Checkpointer(str(d), PROC, async_save=False).resume(model, opt, must, may, warn)
+
+
+def names(d) -> list[str]:
+    """The checkpoint dirs' steps, oldest first, and whatever else is in d."""
+    return sorted(n[: len("step-00000001")] if n.startswith("step-") else n for n in os.listdir(d))
 
 
 def make(seed: int = 0, steps: int = 1):
@@ -90,7 +111,7 @@ def distcp(path: str) -> str:
 
 def test_async_save_round_trips_the_state_of_the_moment_it_was_called(group, tmp_path):
     model, opt = make(seed=1)
-    ck = Checkpointer(str(tmp_path), rank=0, local_rank=0, async_save=True)
+    ck = Checkpointer(str(tmp_path), PROC, async_save=True)
     want = tensors(model, opt)
     ck.save(1, model, opt, STATE)
     train_step(model, opt, seed=5)  # training goes on while the write runs: the snapshot must not see it
@@ -98,12 +119,15 @@ def test_async_save_round_trips_the_state_of_the_moment_it_was_called(group, tmp
     while not ck.pending_done() and time.time() < deadline:
         time.sleep(0.01)
     path = ck.finalize()
-    assert path == str(tmp_path / "step-00000001") and latest_checkpoint(str(tmp_path)) == path
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "rng-00000.safetensors", "train_state.json"]
+    assert path == str(tmp_path / f"step-00000001-{ck.token}") and latest_checkpoint(str(tmp_path)) == path
+    files = [".metadata", "__0_0.distcp", "manifest-00000.json", "rng-00000.safetensors", "train_state.json"]
+    assert sorted(os.listdir(path)) == files
+    manifest = json.loads(open(os.path.join(path, "manifest-00000.json")).read())
+    assert manifest["world_size"] == 1 and sorted(manifest["files"]) == sorted(set(files) - {"manifest-00000.json"})
     assert ck.finalize() is None and ck.pending_done()
     ck.save(2, model, opt, STATE)  # the same writer (and, on CUDA, its pinned copy) serves the next save
     second = ck.finalize()
-    assert second.endswith("step-00000002") and is_complete(second) and is_complete(path)
+    assert second.endswith(f"step-00000002-{ck.token}") and check(second) is None and check(path) is None
     ck.close()
     fresh, fresh_opt = make(seed=2)
     load_train_checkpoint(path, fresh, fresh_opt, 0)  # step 1 is kept (keep=2)
@@ -114,77 +138,137 @@ def test_async_save_round_trips_the_state_of_the_moment_it_was_called(group, tmp
 
 def test_sync_save_keeps_the_newest_and_clears_leftovers(group, tmp_path):
     model, opt = make()
-    (tmp_path / "step-00000009.tmp").mkdir()  # a killed save
+    (tmp_path / f"step-00000009-0badc0de{STAGING}").mkdir()  # a killed save
+    ck = Checkpointer(str(tmp_path), PROC, keep=2, async_save=False)
     for step in (1, 2, 3):
-        assert save_train_checkpoint(str(tmp_path), step, model, opt, STATE, 0, 0, keep=2).endswith(f"{step:08d}")
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000002", "step-00000003"]
-    save_train_checkpoint(str(tmp_path), 3, model, opt, STATE, 0, 0, keep=2)  # the same step again
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000002", "step-00000003"]
-    assert (tmp_path / "latest").read_text() == "step-00000003"
+        ck.save(step, model, opt, STATE)
+        assert ck.last().endswith(f"step-{step:08d}-{ck.token}")
+    assert names(tmp_path) == ["step-00000002", "step-00000003"]
 
 
-def test_truncated_or_missing_shard_is_incomplete_and_resume_takes_the_previous(group, tmp_path):
+def test_a_save_never_reuses_a_name_and_the_run_resumed_prunes_the_other_attempt(group, tmp_path):
+    """Two runs saving the same step (the second resumed from an older one) write two names: on SageMaker one
+    host's deletion of the first attempt's files can then never remove another host's upload of the second."""
+    model, opt = make()
+    first = save_train_checkpoint(tmp_path, 1, model, opt)
+    lost = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    os.remove(os.path.join(lost, "manifest-00000.json"))  # this attempt never reached S3 whole
+    ck = Checkpointer(str(tmp_path), PROC, keep=3, async_save=False)
+    warnings = []
+    assert ck.resume(model, opt, {}, {}, warnings.append)[0] == 1 and ck.last() == first
+    assert warnings == [
+        f"warning: {lost} cannot be resumed (manifest-00000.json is missing (rank 0's files: a save or a sync that "
+        "did not finish)); trying the one before it"
+    ]
+    ck.save(2, model, opt, STATE)
+    again = ck.last()
+    assert again != lost and os.path.basename(again).startswith("step-00000002-")
+    assert step_dirs(str(tmp_path)) == [os.path.basename(again), os.path.basename(first)]  # the lost attempt pruned
+
+
+def test_a_flipped_bit_in_a_shard_skips_that_checkpoint_naming_the_file(group, tmp_path):
     model, opt = make(seed=1)
-    save_train_checkpoint(str(tmp_path), 1, model, opt, STATE, 0, 0, keep=3)
+    older = save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
     want = tensors(model, opt)
     train_step(model, opt)
-    newest = save_train_checkpoint(str(tmp_path), 2, model, opt, STATE, 0, 0, keep=3)
-    assert is_complete(newest)
-    size = os.path.getsize(distcp(newest))
-    with open(distcp(newest), "r+b") as f:  # a partial S3 sync
-        f.truncate(size - 1)
-    assert not is_complete(newest) and latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-00000001")
+    newest = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    assert check(newest) is None and latest_checkpoint(str(tmp_path)) == newest
+    with open(distcp(newest), "r+b") as f:  # one bit, same size: only the sha256 can tell
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    reason = "__0_0.distcp does not match its manifest (size or sha256): a damaged or partly synced file"
+    assert check(newest) == reason and latest_checkpoint(str(tmp_path)) == older
     warnings = []
     fresh, fresh_opt = make(seed=3)
-    step, state = resume(str(tmp_path), fresh, fresh_opt, 0, {"model": CFG.to_dict()}, {}, warnings.append)
+    step, state = resume(tmp_path, fresh, fresh_opt, {"model": CFG.to_dict()}, {}, warnings.append)
     assert step == 1 and state["step"] == 1
-    assert warnings == [f"warning: {newest} is incomplete (a save or a sync that did not finish); skipped"]
+    assert warnings == [f"warning: {newest} cannot be resumed ({reason}); trying the one before it"]
     assert_same(tensors(fresh, fresh_opt), want)
-    os.remove(distcp(newest))
-    assert not is_complete(newest)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_truncated_or_missing_shard_is_incomplete_and_resume_takes_the_previous(group, tmp_path, damage):
+    model, opt = make(seed=1)
+    save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
+    train_step(model, opt)
+    newest = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    if damage == "truncate":  # a partial S3 sync
+        with open(distcp(newest), "r+b") as f:
+            f.truncate(os.path.getsize(distcp(newest)) - 1)
+    else:
+        os.remove(distcp(newest))
+    assert check(newest) == (
+        "__0_0.distcp is missing"
+        if damage == "remove"
+        else "__0_0.distcp does not match its manifest (size or sha256): a damaged or partly synced file"
+    )
+    assert resume(tmp_path, *make(seed=3), {"model": CFG.to_dict()}, {}, lambda line: None)[0] == 1
+
+
+def test_step_dirs_that_all_fail_are_one_error_and_nothing_is_deleted(group, tmp_path):
+    model, opt = make()
+    older = save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
+    newer = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    os.remove(os.path.join(older, "rng-00000.safetensors"))
+    os.remove(os.path.join(newer, "manifest-00000.json"))
+    before = sorted(os.path.relpath(os.path.join(r, f), tmp_path) for r, _, fs in os.walk(tmp_path) for f in fs)
+    with pytest.raises(CheckpointError) as e:
+        resume(tmp_path, model, opt, {}, {}, lambda line: None)
+    assert str(e.value) == (
+        f"{tmp_path}: no checkpoint can be resumed: {os.path.basename(newer)}: manifest-00000.json is missing "
+        "(rank 0's files: a save or a sync that did not finish) (and 1 older); nothing was deleted; restore the "
+        "missing files, or start fresh with --resume never"
+    )
+    after = sorted(os.path.relpath(os.path.join(r, f), tmp_path) for r, _, fs in os.walk(tmp_path) for f in fs)
+    assert after == before
 
 
 def test_a_newest_checkpoint_that_fails_to_load_warns_once_and_the_previous_is_used(group, tmp_path):
     model, opt = make(seed=1)
-    save_train_checkpoint(str(tmp_path), 1, model, opt, STATE, 0, 0, keep=3)
+    save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
     want = tensors(model, opt)
     train_step(model, opt)
-    newest = save_train_checkpoint(str(tmp_path), 2, model, opt, STATE, 0, 0, keep=3)
-    size = os.path.getsize(distcp(newest))
-    with open(distcp(newest), "wb") as f:  # right size, wrong bytes: only loading can tell
-        f.write(os.urandom(size))
-    assert is_complete(newest)
+    newest = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    os.remove(os.path.join(newest, "rng-00000.safetensors"))  # a file the manifest lists, yet loading decides
+    with open(os.path.join(newest, "rng-00000.safetensors"), "wb") as f:
+        f.write(b"not safetensors")
+    manifest = os.path.join(newest, "manifest-00000.json")
+    m = json.loads(open(manifest).read())
+    m["files"]["rng-00000.safetensors"] = {"size": 15, "sha256": file_sha256(f.name)}
+    open(manifest, "w").write(json.dumps(m))
+    assert check(newest) is None
     warnings = []
     fresh, fresh_opt = make(seed=3)
-    step, _ = resume(str(tmp_path), fresh, fresh_opt, 0, {"model": CFG.to_dict()}, {}, warnings.append)
+    step, _ = resume(tmp_path, fresh, fresh_opt, {"model": CFG.to_dict()}, {}, warnings.append)
     assert step == 1 and len(warnings) == 1 and "\n" not in warnings[0]
-    assert warnings[0].startswith(f"warning: {newest} could not be loaded (")
-    assert warnings[0].endswith("; trying the previous checkpoint")
+    assert warnings[0].startswith(f"warning: {newest} cannot be resumed (")
+    assert warnings[0].endswith("; trying the one before it")
     assert_same(tensors(fresh, fresh_opt), want)
 
 
 def test_resume_refuses_another_model_and_warns_about_a_changed_seed(group, tmp_path):
     model, opt = make()
-    save_train_checkpoint(str(tmp_path), 4, model, opt, STATE, 0, 0)
+    path = save_train_checkpoint(tmp_path, 4, model, opt)
     other = {**CFG.to_dict(), "n_layers": 3}
     with pytest.raises(CheckpointError) as e:
-        resume(str(tmp_path), model, opt, 0, {"model": other}, {}, print)
+        resume(tmp_path, model, opt, {"model": other}, {}, print)
     assert str(e.value) == (
-        f"{tmp_path}/step-00000004: checkpoint was made with model={{'n_layers': 2}}, this run "
+        f"{path}: checkpoint was made with model={{'n_layers': 2}}, this run "
         f"has {{'n_layers': 3}}; use --resume never or another --checkpoint-dir"
     )
     warnings = []
     step, _ = resume(
-        str(tmp_path),
+        tmp_path,
         model,
         opt,
-        0,
         {"model": CFG.to_dict(), "tokenizer_hash": "abc"},
         {"seed": 7, "global_batch": 8},
         warnings.append,
     )  # keys an old checkpoint lacks: fine
-    assert step == 4 and warnings == [f"warning: resuming from {tmp_path}/step-00000004 with changed seed=0->7"]
-    assert resume(str(tmp_path / "none"), model, opt, 0, {}, {}, print) == (0, None)
+    assert step == 4 and warnings == [f"warning: resuming from {path} with changed seed=0->7"]
+    assert resume(tmp_path / "none", model, opt, {}, {}, print) == (0, None)
 
 
 class Payload:
@@ -199,19 +283,18 @@ class Payload:
 
 def test_a_planted_metadata_pickle_is_refused_and_never_runs(group, tmp_path):
     model, opt = make()
-    good = save_train_checkpoint(str(tmp_path), 1, model, opt, STATE, 0, 0, keep=3)
-    bad = save_train_checkpoint(str(tmp_path), 2, model, opt, STATE, 0, 0, keep=3)
+    good = save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
+    bad = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
     sentinel = tmp_path / "pwned"
     with open(os.path.join(bad, ".metadata"), "wb") as f:
         pickle.dump(Payload(str(sentinel)), f)
+    assert check(bad).startswith(".metadata does not match its manifest")  # checked without unpickling it
     with pytest.raises(CheckpointError) as e:
-        is_complete(bad)
+        load_train_checkpoint(bad, model, opt, 0)  # and were its manifest rewritten too, loading refuses it
     assert "\n" not in str(e.value) and str(e.value).startswith(f"{bad}/.metadata: refused to unpickle ")
     assert "system" in str(e.value)
-    with pytest.raises(CheckpointError, match="refused to unpickle"):
-        load_train_checkpoint(bad, model, opt, 0)
-    with pytest.raises(CheckpointError, match="refused to unpickle"):
-        resume(str(tmp_path), model, opt, 0, {}, {}, print)
+    warnings = []
+    assert resume(tmp_path, model, opt, {}, {}, warnings.append)[0] == 1 and len(warnings) == 1
     assert not sentinel.exists()
     load_train_checkpoint(good, model, opt, 0)  # a real checkpoint still loads
     assert read_train_state(good)["step"] == 1
@@ -222,8 +305,8 @@ def test_a_planted_optimizer_value_loads_weights_only_and_never_runs(group, tmp_
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, opt = make()
-    good = save_train_checkpoint(str(tmp_path), 1, model, opt, STATE, 0, 0, keep=3)
-    bad = save_train_checkpoint(str(tmp_path), 2, model, opt, STATE, 0, 0, keep=3)
+    good = save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
+    bad = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
     sentinel = tmp_path / "pwned"
     msd, osd = get_state_dict(model, opt)
     osd["param_groups"][0]["lr"] = Payload(str(sentinel))  # a non-tensor item: DCP pickles it whole
@@ -232,7 +315,7 @@ def test_a_planted_optimizer_value_loads_weights_only_and_never_runs(group, tmp_
         load_train_checkpoint(bad, model, opt, 0)
     assert not sentinel.exists()
     warnings = []
-    assert resume(str(tmp_path), model, opt, 0, {}, {}, warnings.append)[0] == 1 and len(warnings) == 1
+    assert resume(tmp_path, model, opt, {}, {}, warnings.append)[0] == 1 and len(warnings) == 1
     assert not sentinel.exists()
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=bad)  # DCP's own loader: the payload runs
@@ -240,14 +323,14 @@ def test_a_planted_optimizer_value_loads_weights_only_and_never_runs(group, tmp_
 
 
 @pytest.mark.parametrize("async_save", [True, False])
-def test_a_failed_write_raises_one_error_and_keeps_latest(group, tmp_path, monkeypatch, async_save):
+def test_a_failed_write_raises_one_error_and_keeps_the_last_one(group, tmp_path, monkeypatch, async_save):
     from torch.distributed.checkpoint import FileSystemWriter
 
     model, opt = make()
-    ck = Checkpointer(str(tmp_path), 0, 0, async_save=async_save)
+    ck = Checkpointer(str(tmp_path), PROC, async_save=async_save)
     ck.save(1, model, opt, STATE)
-    ck.finalize()
-    assert latest_checkpoint(str(tmp_path)).endswith("step-00000001")
+    first = ck.finalize() or ck.last()
+    assert latest_checkpoint(str(tmp_path)) == first
 
     def full(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -255,15 +338,15 @@ def test_a_failed_write_raises_one_error_and_keeps_latest(group, tmp_path, monke
     monkeypatch.setattr(FileSystemWriter, "write_data", full)
     # async: the write fails in the background and finalize() reports it; sync: save() itself raises. Either
     # way a CheckpointError (a ValueError, which train.py prints as one line), never DCP's BaseException.
-    err = r"step-00000002.tmp: checkpoint of step 2 was not written .*No space.* GiB free on its disk"
-    with pytest.raises(CheckpointError, match=err):
+    err = f"{tmp_path}: checkpoint of step 2 was not written .*No space.* GiB free on its disk.*the last complete one"
+    with pytest.raises(CheckpointError, match=f"{err} is {first}$"):
         ck.save(2, model, opt, STATE)
         ck.finalize()
-    assert latest_checkpoint(str(tmp_path)).endswith("step-00000001")
+    assert latest_checkpoint(str(tmp_path)) == first
     monkeypatch.undo()
     ck.save(3, model, opt, STATE)
     ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000003"]
+    assert names(tmp_path) == ["step-00000001", "step-00000003"]  # the failed save's staging dir is gone too
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -273,18 +356,18 @@ def test_a_full_disk_at_the_rank_files_is_the_same_one_error(group, tmp_path, mo
     from minilm_az import checkpoint
 
     model, opt = make()
-    ck = Checkpointer(str(tmp_path), 0, 0, async_save=async_save)
+    ck = Checkpointer(str(tmp_path), PROC, async_save=async_save)
 
     def full(*args, **kwargs):  # what safetensors raises when the disk is full: neither OSError nor ValueError
         raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
 
     monkeypatch.setattr(checkpoint, "save_file", full)
-    with pytest.raises(CheckpointError, match=r"step-00000001.tmp: checkpoint of step 1 was not written .*No space"):
+    with pytest.raises(CheckpointError, match=r": checkpoint of step 1 was not written .*No space"):
         ck.save(1, model, opt, STATE)
     monkeypatch.undo()
     ck.save(2, model, opt, STATE)  # the next save, with room again, goes through
     ck.close()
-    assert latest_checkpoint(str(tmp_path)).endswith("step-00000002")
+    assert latest_checkpoint(str(tmp_path)) == ck.last() and ck.last().endswith(f"step-00000002-{ck.token}")
 
 
 KILLED = textwrap.dedent("""
@@ -292,9 +375,10 @@ KILLED = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_dcp_checkpoint import STATE, make, train_step
     from minilm_az.checkpoint import Checkpointer
+    from minilm_az.parallel import Process
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model, opt = make(seed=1)
-    ck = Checkpointer(sys.argv[1], 0, 0, async_save=True)
+    ck = Checkpointer(sys.argv[1], Process(0, 1, 0, torch.device("cpu")), async_save=True)
     ck.save(1, model, opt, STATE)
     ck.finalize()
     fsync = os.fsync
@@ -310,7 +394,7 @@ KILLED = textwrap.dedent("""
 """)
 
 
-def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_latest(group, tmp_path):
+def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_the_newest(group, tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED.format(tests=os.path.dirname(os.path.abspath(__file__))))
     ckpt = tmp_path / "ckpt"
@@ -324,16 +408,17 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_latest(gro
     try:
         line = p.stdout.readline()
         assert line == "writing\n", p.stderr.read()
-        assert (ckpt / "step-00000002.tmp").is_dir()
+        (staging,) = ckpt.glob(f"step-00000002-*{STAGING}")  # a name SageMaker's agent never uploads
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait(30)
-    assert latest_checkpoint(str(ckpt)) == str(ckpt / "step-00000001") and is_complete(str(ckpt / "step-00000001"))
-    assert complete_checkpoints(str(ckpt)) == [str(ckpt / "step-00000001")]
+    first = str(ckpt / f"{staging.name[: -len(STAGING)].replace('-00000002-', '-00000001-')}")
+    assert step_dirs(str(ckpt)) == [os.path.basename(first)] and latest_checkpoint(str(ckpt)) == first
     model, opt = make(seed=4)
-    assert resume(str(ckpt), model, opt, 0, {"model": CFG.to_dict()}, {}, print)[0] == 1
-    save_train_checkpoint(str(ckpt), 2, model, opt, STATE, 0, 0)  # the next save clears the killed one's dir
-    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000001", "step-00000002"]
+    ck = Checkpointer(str(ckpt), PROC, async_save=False)
+    assert ck.resume(model, opt, {"model": CFG.to_dict()}, {}, print)[0] == 1
+    ck.save(2, model, opt, STATE)  # the next save clears the killed one's dir
+    assert names(ckpt) == ["step-00000001", "step-00000002"] and not staging.exists()
 
 
 TWO_RANKS = textwrap.dedent("""
@@ -341,13 +426,14 @@ TWO_RANKS = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_dcp_checkpoint import STATE, make, tensors, train_step
     from minilm_az.checkpoint import Checkpointer
+    from minilm_az.parallel import Process
     rank, store, ckpt_dir, snapshot = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     model, opt = make(seed=1)
     want = tensors(model, opt)  # gathers: every rank
     if rank == 0:
         torch.save(want, snapshot)
-    ck = Checkpointer(ckpt_dir, rank, local_rank=0, async_save=True)  # local rank 0 of its own host
+    ck = Checkpointer(ckpt_dir, Process(rank, 2, 0, torch.device("cpu")), async_save=True)  # a host each
     ck.save(1, model, opt, STATE)
     train_step(model, opt)
     print(ck.finalize())
@@ -373,20 +459,26 @@ def test_two_ranks_on_two_hosts_async_save_then_resume_on_one(group, tmp_path, d
     ]
     outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    step1 = tmp_path / "host0" / "step-00000001"
+    (name,) = step_dirs(str(dirs[0]))
+    step1 = dirs[0] / name
+    assert [out.strip() for out, _ in outs] == [str(dirs[0] / name), str(dirs[1] / name)]  # what finalize returned
     if disks == "per-host":  # each host renamed its own part; only their union (an S3 sync) is complete
-        assert not is_complete(str(step1))
-        assert sorted(os.listdir(dirs[1])) == ["latest", "step-00000001"]
-        for f in os.listdir(dirs[1] / "step-00000001"):
-            os.replace(dirs[1] / "step-00000001" / f, step1 / f)
+        missing = "manifest-00001.json is missing (rank 1's files: a save or a sync that did not finish)"
+        assert check(str(step1)) == missing
+        assert step_dirs(str(dirs[1])) == [name] and os.listdir(dirs[1]) == [name]
+        for f in os.listdir(dirs[1] / name):
+            os.replace(dirs[1] / name / f, step1 / f)
     assert sorted(os.listdir(step1)) == [
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
+        "manifest-00000.json",
+        "manifest-00001.json",
         "rng-00000.safetensors",
         "rng-00001.safetensors",
         "train_state.json",
     ]
+    assert check(str(step1)) is None
     model, opt = make(seed=3)
-    assert resume(str(tmp_path / "host0"), model, opt, 0, {"model": CFG.to_dict()}, {}, print)[0] == 1
+    assert resume(dirs[0], model, opt, {"model": CFG.to_dict()}, {}, print)[0] == 1
     assert_same(tensors(model, opt), torch.load(tmp_path / "want.pt"))

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from minilm_az.checkpoint import step_dirs
 from minilm_az.hf import load_pretrained, save_pretrained
 from minilm_az.model import build_model, get_preset
 from minilm_az.tokenizer import copy_tokenizer_files, load_tokenizer, tokenizer_hash
@@ -130,12 +131,9 @@ def wait_for(cond, p: subprocess.Popen, what: str, timeout: float = 120):
 
 
 def checkpoint_step(ckpt_dir: Path) -> int | None:
-    """The step `latest` names, once it names one."""
-    try:
-        name = (ckpt_dir / "latest").read_text().strip()
-    except FileNotFoundError:
-        return None
-    return int(name.removeprefix("step-")) if name.startswith("step-") else None
+    """The step of the newest checkpoint dir (renamed into place, so complete on one host), once there is one."""
+    names = step_dirs(str(ckpt_dir))
+    return int(names[0].split("-")[1]) if names else None
 
 
 def train_lines(out: Path) -> int:
@@ -242,7 +240,8 @@ def test_phase1_changes_only_the_embedding(data, tmp_path):
     # Nothing but the embedding has optimizer state.
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(str(out / "checkpoints" / "phase1" / "step-00000006")).read_metadata()
+    (step6,) = (out / "checkpoints" / "phase1").glob("step-00000006-*")
+    meta = dcp.FileSystemReader(str(step6)).read_metadata()
     state = {k.rsplit(".", 1)[0] for k in meta.state_dict_metadata if k.startswith("optim.state.")}
     assert state == {"optim.state.model.embed_tokens.weight"}
 
@@ -306,7 +305,7 @@ def test_checkpoint_minutes_bounds_what_a_sigkill_loses(data, tmp_path):
     killed = time.time()
     p.communicate()
     step = checkpoint_step(ckpt)
-    saved = (ckpt / f"step-{step:08d}" / "train_state.json").stat().st_mtime  # written at that step's end
+    saved = (ckpt / step_dirs(str(ckpt))[0] / "train_state.json").stat().st_mtime  # written at that step's end
     assert killed - saved <= interval + 2.0, f"the kill lost {killed - saved:.1f} s of training"
     steps_run = max(r["step"] for r in records(out))
     assert first < step <= steps_run
@@ -347,7 +346,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_cleanly_and_resumes(data, referen
     logged = (out / "metrics.jsonl").stat().st_size
 
     r = train(*args)  # --resume auto is the default
-    assert f"resume from={out / 'checkpoints' / 'phase2' / f'step-{stopped_at:08d}'} step={stopped_at}" in r.stdout
+    assert f"resume from={out / 'checkpoints' / 'phase2' / f'step-{stopped_at:08d}'}-" in r.stdout
+    assert f" step={stopped_at}" in r.stdout.split("resume from=")[1].splitlines()[0]
     assert_losses_match(losses(out, after=logged), losses(reference), range(stopped_at + 1, STEPS + 1), tol=1e-5)
 
 
@@ -495,7 +495,7 @@ def test_diverging_loss_keeps_the_last_good_checkpoint(bad_runs):
     tmp, runs = bad_runs
     r, _ = runs["diverging_loss"]
     kept = Path(r.stderr.split("last good checkpoint: ")[1].split()[0])
-    assert kept == tmp / "diverging_loss" / "checkpoints" / "phase2" / "step-00000001"
+    assert kept.parent == tmp / "diverging_loss" / "checkpoints" / "phase2" and kept.name.startswith("step-00000001-")
     assert (kept / "train_state.json").is_file() and any(kept.glob("*.distcp"))
     assert sorted(losses(tmp / "diverging_loss")) == [1]
     assert np.isfinite(losses(tmp / "diverging_loss")[1])

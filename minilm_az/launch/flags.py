@@ -135,7 +135,8 @@ def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
 
 
 def sm_defaults(cfg) -> None:
-    """Paths not given on the command line: SM_CHANNEL_<CHANNEL> and SM_MODEL_DIR, as a container sets them."""
+    """Values not given on the command line, as a container sets them: paths from SM_CHANNEL_<CHANNEL> and
+    SM_MODEL_DIR, and fields whose metadata holds a `sagemaker` default of their own."""
     for f in dataclasses.fields(cfg):
         if getattr(cfg, f.name) not in (None, f.default):
             continue
@@ -145,6 +146,8 @@ def sm_defaults(cfg) -> None:
             value = os.environ.get("SM_MODEL_DIR")
         elif f.metadata.get("container") == CONTAINER_CHECKPOINTS and in_sagemaker():
             value = CONTAINER_CHECKPOINTS
+        elif "sagemaker" in f.metadata and in_sagemaker():  # a default of its own there (the checkpoint clock)
+            value = f.metadata["sagemaker"]
         if value:
             setattr(cfg, f.name, [value] if f.metadata.get("nargs") else value)
 

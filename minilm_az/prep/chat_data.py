@@ -2,7 +2,7 @@
 
 A data file is JSONL, one `{"messages": [{"role": ..., "content": ...}, ...]}` a line. A bad line is a
 ChatFormatError that names the file and line, unless the user asks to skip such lines. chat.py turns the
-conversations into token ids and labels.
+conversations into token ids and labels; `encode_all` does it for a whole file's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import os
 import re
 
-from minilm_az.chat import ChatFormatError, validate_messages
+from minilm_az.chat import ChatFormatError, NothingToTrain, encode_chat, validate_messages
 
 
 def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dict]], list[str]]:
@@ -98,3 +98,14 @@ def read_chat_files(files: list[str], on_bad_line: str) -> tuple[list[list[dict]
         convs += c
         skipped += s
     return convs, skipped
+
+
+def encode_all(convs: list[list[dict]], tok, max_len: int, last_turn_only: bool) -> tuple[list, int]:
+    """Each conversation as (ids, labels), and how many were dropped for leaving no assistant token to train."""
+    out, dropped = [], 0
+    for messages in convs:
+        try:
+            out.append(encode_chat(messages, tok, max_len=max_len, last_turn_only=last_turn_only))
+        except NothingToTrain:
+            dropped += 1
+    return out, dropped
