@@ -87,7 +87,7 @@ def disk_gib_per_s(path: str, gib: float = 2.0) -> float:
 def measure(mode: str, model, opt, step, args, proc, first_step: int, deadline: float, rows: list) -> None:
     ck_dir = os.path.join(args.out_dir, mode)
     shutil.rmtree(ck_dir, ignore_errors=True)
-    ck = Checkpointer(ck_dir, proc.rank, proc.local_rank, keep=1, async_save=mode == "async")
+    ck = Checkpointer(ck_dir, proc, keep=1, async_save=mode == "async")
     last_write = 0.0
     for r in range(args.repeats):
         if time.time() + 1.5 * last_write + 30 > deadline:
@@ -108,7 +108,7 @@ def measure(mode: str, model, opt, step, args, proc, first_step: int, deadline: 
         while not ck.pending_done():
             time.sleep(0.01)
         write_s = write_s or time.perf_counter() - t0
-        final = ck.finalize() or os.path.join(ck_dir, f"step-{n:08d}")
+        final = ck.finalize() or ck.last()
         if mode == "sync":
             write_s = in_save
         last_write = write_s

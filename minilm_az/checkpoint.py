@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import signal
+import threading
 import time
 
 import torch
@@ -53,10 +54,7 @@ class CheckpointError(ValueError):
 
 _STEP_DIR = re.compile(r"step-(\d{8})-([0-9a-f]{8})")
 STAGING = ".sagemaker-ignore"
-
-
-def _manifest(rank: int) -> str:
-    return f"manifest-{rank:05d}.json"
+MANIFEST = "manifest-{:05d}.json"
 
 
 # DCP's `.metadata` is a pickle, so a file planted in a checkpoint dir could run code when read. These are
@@ -117,32 +115,26 @@ def _write_manifest(path: str, step: int, rank: int, world: int) -> None:
     for name in _rank_files(path, rank):
         file = os.path.join(path, name)
         files[name] = {"size": os.path.getsize(file), "sha256": file_sha256(file)}
-    atomic_write_json(os.path.join(path, _manifest(rank)), {"step": step, "world_size": world, "files": files})
+    atomic_write_json(os.path.join(path, MANIFEST.format(rank)), {"step": step, "world_size": world, "files": files})
 
 
 def _read_manifests(path: str) -> tuple[list[tuple[str, dict]], str | None]:
     """Every file that the manifests of checkpoint dir `path` list, with what it must be; or what is missing."""
-    listed: list[tuple[str, dict]] = []
-    world = 1
-    rank = 0
+    listed, rank, world = [], 0, 1
     while rank < world:
-        file = os.path.join(path, _manifest(rank))
-        if not os.path.isfile(file):
-            return [], f"{_manifest(rank)} is missing (rank {rank}'s files: a save or a sync that did not finish)"
+        name = MANIFEST.format(rank)
+        if not os.path.isfile(os.path.join(path, name)):
+            return [], f"{name} is missing (rank {rank}'s files: a save or a sync that did not finish)"
         try:
-            with open(file) as fh:
+            with open(os.path.join(path, name)) as fh:
                 m = json.load(fh)
-            world = world if rank else int(m["world_size"])
-            files = m["files"]
-            ok = m["world_size"] == world and all(
-                os.path.basename(n) == n and isinstance(f["size"], int) and isinstance(f["sha256"], str)
-                for n, f in files.items()
-            )
+            world, files = (world if rank else int(m["world_size"])), m["files"].items()
+            typed = all(isinstance(f["size"], int) and isinstance(f["sha256"], str) for _, f in files)
+            if m["world_size"] != world or not typed:
+                return [], f"{name} does not belong with manifest-00000.json"
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            return [], f"{_manifest(rank)} is unreadable ({type(e).__name__})"
-        if not ok:
-            return [], f"{_manifest(rank)} is not this run's manifest"
-        listed += sorted(files.items())
+            return [], f"{name} is unreadable ({type(e).__name__})"
+        listed += sorted((os.path.basename(n), f) for n, f in files)  # a name is a file of this dir, nothing else
         rank += 1
     return listed, None
 
@@ -235,6 +227,7 @@ class Checkpointer:
         self.kept: list[str] = []  # complete checkpoints of this run (the one resumed, then the saved), oldest first
         self._pending = None  # (step, name, future or None)
         self._group = self._writer = None
+        self._error: str | None = None  # why this rank's pending write failed, once it has
         if async_save:
             self._group = dist.new_group(backend="gloo")
         token = [secrets.token_hex(4)]  # one per run: with the step, a name no earlier save attempt can have had
@@ -277,7 +270,12 @@ class Checkpointer:
                 storage_writer=self._async_writer(tmp),
                 process_group=self._group,
             )
-            self._pending = (step, name, getattr(fut, "upload_completion", fut))
+            fut = getattr(fut, "upload_completion", fut)
+            # The manifest's sha256 reads every file back (~1 s a GB): in a thread of its own too, since hashlib
+            # lets go of the GIL, so that training does not wait for it.
+            manifest = threading.Thread(target=self._manifest_after, args=(fut, tmp, step), daemon=True)
+            manifest.start()
+            self._pending = (step, name, manifest)
         else:
             from torch.distributed.checkpoint.api import CheckpointException
 
@@ -308,8 +306,8 @@ class Checkpointer:
         return state if torch.cuda.is_available() else copy.deepcopy(state)
 
     def pending_done(self) -> bool:
-        """Local and non-blocking: no save pending, or this rank's part of its write has finished."""
-        return self._pending is None or self._pending[2] is None or self._pending[2].done()
+        """Local and non-blocking: no save pending, or this rank's part of it (its files and manifest) is written."""
+        return self._pending is None or self._pending[2] is None or not self._pending[2].is_alive()
 
     def finalize(self) -> str | None:
         """Collective: wait for the pending write on every rank, then publish it: each rank's manifest, the rename
@@ -323,13 +321,12 @@ class Checkpointer:
         step, name, fut = self._pending
         self._pending = None
         tmp, final = os.path.join(self.ckpt_dir, name + STAGING), os.path.join(self.ckpt_dir, name)
-        error = None
-        try:
-            if fut is not None:  # async; a sync save raised in save() already, on every rank (DCP gathers errors)
-                fut.result()
-            _write_manifest(tmp, step, self.proc.rank, self.proc.world_size)
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            error = _one_line(e)
+        if fut is None:  # sync; a failed write raised in save() already, on every rank (DCP gathers errors)
+            self._manifest_after(None, tmp, step)
+        else:
+            fut.join()
+        error = self._error
+        self._error = None
         flag = torch.tensor([error is not None], dtype=torch.int32)
         if dist.is_initialized():  # every rank learns of a failure anywhere, so all take the same path
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
@@ -361,6 +358,15 @@ class Checkpointer:
     def last(self) -> str | None:
         """The path of this run's newest complete checkpoint (resumed or saved), if any."""
         return os.path.join(self.ckpt_dir, self.kept[-1]) if self.kept else None
+
+    def _manifest_after(self, write, tmp: str, step: int) -> None:
+        """Wait for DCP's `write` (a future; None: done), then write this rank's manifest; any failure to _error."""
+        try:
+            if write is not None:
+                write.result()
+            _write_manifest(tmp, step, self.proc.rank, self.proc.world_size)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._error = _one_line(e)
 
     def close(self) -> None:
         """Finalize a pending save (collective), then release the pinned copy and the gloo group."""

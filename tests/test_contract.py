@@ -49,7 +49,7 @@ def other_value(f: dataclasses.Field, text: str = TEXT):
             return round(((lo or 0.0) + hi) / 2 + 0.0123, 6) if (lo or 0.0) + 0.0123 < hi else hi
         return round((f.default or 0.0) * 1.5 + 0.0375, 6)
     if base == "list[str]":
-        return ["/tmp/eval text ü.txt"]
+        return [f"{C.CONTAINER_INPUT}/data/eval text ü.txt"]  # a local path would be refused: the job lacks it
     return text
 
 

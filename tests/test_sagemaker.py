@@ -7,6 +7,7 @@ by field is tests/test_contract.py; whole jobs replayed in a simulated container
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -176,7 +177,7 @@ def test_container_argv_is_sorted_flags_with_plain_values():
             "--phase",
             "2",
             "--data",
-            "s3://b/d/",
+            "s3://corp/d/",
             "--steps",
             "100",
             "--lr",
@@ -420,6 +421,8 @@ def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, pr
     assert req["ResourceConfig"]["InstanceType"] == "ml.g5.2xlarge"
     assert "sagemaker_torch_distributed_enabled" not in req["HyperParameters"]
     assert sm.container_args(req["HyperParameters"]) == [
+        "--checkpoint-dir",
+        "/opt/ml/checkpoints",
         "--data",
         "/opt/ml/input/data/data",
         "--lora-r",
@@ -434,6 +437,9 @@ def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, pr
         "/opt/ml/input/data/val_data",
     ]
     assert req["AlgorithmSpecification"]["MetricDefinitions"] == list(sm.FINETUNE_METRICS)
+    # A fine-tune checkpoints too (finetune.py resumes with --resume auto), into the job's own S3 prefix.
+    assert req["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
+    assert req["CheckpointConfig"]["S3Uri"].endswith(f"/checkpoints/{req['TrainingJobName']}/")
 
 
 def test_relaunch_with_the_same_checkpoint_prefix_resumes_there(aws, project):
@@ -472,13 +478,183 @@ def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch,
     assert aws.client("s3").list_objects_v2(Bucket=BUCKET).get("KeyCount", 0) == 0
 
 
-def test_launch_without_a_role_says_how_to_pass_one(aws, project):
-    with pytest.raises(SystemExit, match="--role"):
+# ---------------------------------------------------------------------------------------------
+# Refusals before anything is billed (issue 29): one line naming the flag and its value, exit 2, nothing sent
+
+
+def refusal_line(capsys) -> str:
+    """The one line the launcher printed on stderr (2.x's maintenance notice aside)."""
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("note:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def nothing_sent(aws) -> bool:
+    return (
+        aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
+        and aws.client("s3").list_objects_v2(Bucket=BUCKET).get("KeyCount", 0) == 0
+    )
+
+
+AWS_FLAGS = ["--role", ROLE, "--bucket", BUCKET]
+TRAIN = ["train", "--phase", "2", *AWS_FLAGS, "--data", "s3://corp/shards/"]
+FINETUNE = ["finetune", *AWS_FLAGS, "--model", "s3://corp/p2/model/", "--data", "s3://corp/sft/"]
+TOKENIZE = ["tokenize", "encode", *AWS_FLAGS, "--corpus", "s3://corp/text/", "--tokenizer", "s3://corp/tok/"]
+
+
+@pytest.mark.parametrize(
+    "argv, flag, value",
+    [
+        # S3: every bucket and URI (a later flag wins over the same flag in the stage's argv above)
+        (TRAIN + ["--data", "s3:///shards/"], "--data", "s3:///shards/"),
+        (TRAIN + ["--data", "s3://corp/my shards/"], "--data", "'s3://corp/my shards/'"),
+        (TRAIN + ["--data", "s3://Corp_Data/shards/"], "--data", "'Corp_Data'"),
+        (TRAIN + ["--base-model", "s3://10.0.0.1/model/"], "--base-model", "'10.0.0.1'"),
+        (TRAIN + ["--checkpoint-s3", "s3://ab/ckpt/"], "--checkpoint-s3", "'ab'"),
+        (FINETUNE + ["--val-data", "s3://corp-/val/"], "--val-data", "'corp-'"),
+        (TOKENIZE + ["--tokenizer", "s3://"], "--tokenizer", "'s3://'"),
+        (TRAIN + ["--bucket", "My_Bucket"], "--bucket", "'My_Bucket'"),
+        (TRAIN + ["--bucket", "s3://corp"], "--bucket", "(corp), without s3://"),
+        (TRAIN + ["--prefix", "my runs"], "--prefix", "'my runs'"),
+        # the training job name as sent (2.x sends --job-name as it is)
+        (TRAIN + ["--job-name", "my_job"], "--job-name", "'my_job'"),
+        (TRAIN + ["--job-name", "x" * 64], "--job-name", "x" * 64),
+        (TRAIN + ["--job-name=-leading"], "--job-name", "'-leading'"),
+        # instance types
+        (TRAIN + ["--instance-type", "ml.p55.48xlarge"], "--instance-type", "did you mean ml.p5.48xlarge"),
+        (FINETUNE + ["--instance-type", "ml.g5x.2xlarge"], "--instance-type", "did you mean ml.g5.2xlarge"),
+        (TRAIN + ["--instance-type", "p5.48xlarge"], "--instance-type", "'p5.48xlarge'"),
+        (TRAIN + ["--instance-type", "ml.p5.48xlrage"], "--instance-type", "'ml.p5.48xlrage'"),
+        # numbers SageMaker bounds
+        (TRAIN + ["--volume-size", "0"], "--volume-size", "got 0"),
+        (TRAIN + ["--volume-size", "-5"], "--volume-size", "got -5"),
+        (TRAIN + ["--instance-count", "0"], "--instance-count", "got 0"),
+        (TRAIN + ["--max-run-hours", "0"], "--max-run-hours", "got 0.0"),
+        (TRAIN + ["--max-run-hours", "inf"], "--max-run-hours", "got inf"),
+        (TRAIN + ["--spot", "--max-run-hours", "1", "--max-wait-hours", "nan"], "--max-wait-hours", "got nan"),
+        # environment
+        (TRAIN + ["--env", "1 BAD=x"], "--env", "'1 BAD'"),
+        (TRAIN + ["--env", "NCCL-DEBUG=WARN"], "--env", "'NCCL-DEBUG'"),
+        (TRAIN + ["--env", "NCCL_DEBUG"], "--env", "'NCCL_DEBUG' has no value"),
+        (TRAIN + ["--env", "K=" + "v" * 513], "--env", "the value of K is 513 characters"),
+        # script flags naming files that the container does not have
+        (TRAIN + ["--eval-text", "data/az/firefox.txt"], "--eval-text", "data/az/firefox.txt"),
+        (TRAIN + ["--eval-text", "/home/me/val.txt"], "--eval-text", "/home/me/val.txt"),
+        (TRAIN + ["--eval-text", "s3://corp/val.txt"], "--eval-text", "s3://corp/val.txt"),
+        (TRAIN + ["--eval-text", "/opt/ml/input/data/eval/val.txt"], "--eval-text", "channel 'eval'"),
+        (FINETUNE + ["--adapter", "./runs/sft"], "--adapter", "./runs/sft"),
+    ],
+)
+def test_what_the_cloud_would_refuse_is_refused_before_anything_is_sent(
+    argv, flag, value, aws, project, monkeypatch, capsys
+):
+    monkeypatch.setattr(sm, "PROJECT_ROOT", project)
+    with pytest.raises(SystemExit) as e:
+        sm.main(argv)
+    assert e.value.code == 2
+    line = refusal_line(capsys)
+    assert line.startswith(f"{sm.PROG}: error: {flag}: "), line
+    assert value in line, line
+    assert nothing_sent(aws)
+
+
+def test_launch_without_a_role_refuses_in_one_line_before_any_aws_call(aws, project, capsys):
+    calls = []
+    aws.events.register("before-call", lambda model, **_: calls.append(model.name))
+    with pytest.raises(SystemExit) as e:  # no --bucket either: the default bucket would be looked up, even made
         sm.launch(
-            sm.parse_args(["train", "--phase", "1", "--data", "s3://corp/shards/", "--bucket", BUCKET]),
-            boto_session=aws,
-            root=project,
+            sm.parse_args(["train", "--phase", "1", "--data", "s3://corp/shards/"]), boto_session=aws, root=project
         )
+    assert e.value.code == 2
+    line = refusal_line(capsys)
+    assert line.startswith(f"{sm.PROG}: error: --role: ") and "arn:aws:iam::ACCOUNT:role/NAME" in line
+    assert calls == []
+    assert [b["Name"] for b in aws.client("s3").list_buckets()["Buckets"]] == [BUCKET]
+
+
+def test_a_local_path_refusal_says_where_the_file_would_arrive(capsys):
+    with pytest.raises(SystemExit):
+        sm.parse_args(TRAIN + ["--eval-text", "data/az/firefox.txt"])
+    assert "s3://corp/shards/firefox.txt is /opt/ml/input/data/data/firefox.txt" in refusal_line(capsys)
+
+
+def test_a_local_path_refusal_names_no_channel_the_job_lacks(capsys):
+    with pytest.raises(SystemExit):
+        sm.parse_args(["tokenize", "train", "--corpus", "s3://corp/text/", "--text-field", "data/x.jsonl"])
+    assert "/opt/ml/input/data/corpus/x.jsonl" in refusal_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "name, refused",
+    [("a" * 48, False), ("my_job", False), ("a" * 49, True), ("my job", True)],
+)
+def test_under_sdk_3_the_job_name_is_checked_with_the_timestamp_it_appends(name, refused, capsys):
+    args = argparse.Namespace(job_name=name, sdk="v3")  # 3.x makes _ a hyphen and appends -YYYYmmddHHMMSS
+    if not refused:
+        sm._check_job_name(sm.build_parser(), args)
+        return
+    with pytest.raises(SystemExit) as e:
+        sm._check_job_name(sm.build_parser(), args)
+    assert e.value.code == 2
+    assert refusal_line(capsys).startswith(f"{sm.PROG}: error: --job-name: {name!r}")
+
+
+@pytest.mark.parametrize(
+    "fail, reason",
+    [
+        (None, "Invalid value for parameter StoppingCondition.MaxRuntimeInSeconds, value: 0, valid min value: 1"),
+        (ValueError("the SDK refused:\n  the reason on line two"), "the SDK refused: the reason on line two"),
+    ],
+)
+def test_an_sdk_or_botocore_validation_error_is_printed_whole_on_one_line(
+    fail, reason, aws, project, monkeypatch, capsys
+):
+    monkeypatch.setattr(sm, "PROJECT_ROOT", project)
+    if fail is None:  # botocore's own ParamValidationError: let a zero run time through the launcher's checks
+        monkeypatch.setattr(sm, "_check_numbers", lambda parser, args: None)
+        argv = TRAIN + ["--max-run-hours", "0"]
+    else:  # a multi-line ValueError, as the SDK raises while it builds the job
+
+        def backend(*args, **kwargs):
+            raise fail
+
+        monkeypatch.setitem(sm.BACKENDS, "v2", backend)
+        argv = TRAIN
+    assert sm.main(argv) == 2
+    line = refusal_line(capsys)
+    assert line.startswith(f"{sm.PROG}: error: ") and line.endswith(reason), line
+    assert aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--phase", "1", "--data", "s3://corp/shards/"],
+        ["finetune", "--model", "s3://corp/p2/", "--data", "s3://corp/sft/"],
+        *(
+            ["tokenize", cmd, "--corpus", "s3://corp/text/", "--tokenizer", "s3://corp/tok/"]
+            for cmd in ("encode", "report")
+        ),
+        *(["tokenize", cmd, "--corpus", "s3://corp/text/"] for cmd in ("train", "clean")),
+        TRAIN + ["--bucket", "my.bucket-1", "--prefix", "team/minilm", "--checkpoint-s3", "s3://" + "b" * 63 + "/c/"],
+        TRAIN + ["--job-name", "minilm-az--p2-run-7", "--instance-type", "ml.p4d.24xlarge", "--volume-size", "1"],
+        TRAIN + ["--instance-type", "ml.g6e.12xlarge", "--max-run-hours", "0.5", "--spot", "--max-wait-hours", "1"],
+        TRAIN + ["--instance-type", "ml.r8i-flex.large", "--no-torchrun"],  # a real family the table lacks
+        TRAIN + ["--env", "NCCL_DEBUG=WARN", "--env", "_X1=", "--eval-text", "/opt/ml/input/data/data/val.txt"],
+        FINETUNE + ["--system", "Sən köməkçisən / assistant.", "--targets", "q_proj,v_proj"],
+    ],
+)
+def test_the_launchers_defaults_and_valid_values_pass_the_checks(argv):
+    args = sm.parse_args(argv)
+    assert sm.INSTANCE_TYPE.fullmatch(args.instance_type)
+
+
+def test_instance_families_in_the_typo_table_are_real_training_families():
+    pytest.importorskip("botocore")
+    assert set(sm.INSTANCE_FAMILIES) <= sm._training_families()
+    assert {sm.INSTANCE_TYPE.fullmatch(s.instance_type)["family"] for s in sm.STAGES.values()} <= set(
+        sm.INSTANCE_FAMILIES
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,6 +125,13 @@ def test_a_single_quote_is_refused_at_launch(capsys):
     assert "single quote" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_the_longest_job_name_the_launcher_takes_under_v3_is_sent_whole_with_the_sdks_timestamp(aws, project):
+    # The launcher's model of 3.x's naming (_check_job_name): underscores made hyphens, -YYYYmmddHHMMSS appended.
+    base = "my_run-" + "x" * (63 - len(sm.V3_STAMP) - len("my_run-"))
+    launched = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--job-name", base])
+    assert re.fullmatch(base.replace("_", "-") + r"-[0-9]{14}", launched.job_name), launched.job_name
+
+
 # ---------------------------------------------------------------------------------------------
 # The same job through either SDK line
 

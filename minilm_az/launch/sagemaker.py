@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import difflib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -30,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from minilm_az import config as C
 from minilm_az.config import CONTAINER_CHECKPOINTS as CHECKPOINT_LOCAL_PATH
@@ -121,7 +123,7 @@ STAGES = {
         ("data", "model"),
         "ml.g5.2xlarge",
         torchrun=False,
-        checkpoints=False,
+        checkpoints=True,
         metrics=FINETUNE_METRICS,
     ),
 }
@@ -173,23 +175,190 @@ def parse_passthrough(extra: list[str]) -> dict[str, Any]:
     return out
 
 
-def _s3_uri(value: str) -> str:
-    if not value.startswith("s3://") or len(value) <= 5:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an s3:// URI (upload it first: aws s3 sync DIR s3://...)")
-    return value
-
-
-def _env_pair(value: str) -> tuple[str, str]:
+def _env_pair(value: str) -> tuple[str, str | None]:
+    """`KEY=VALUE` -> (KEY, VALUE); a value without `=` keeps None, which `_check_env` refuses with the flag named."""
     k, eq, v = value.partition("=")
-    if not eq or not k:
-        raise argparse.ArgumentTypeError(f"--env wants KEY=VALUE, got {value!r}")
-    return k, v
+    return k, (v if eq else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before anything is billed: each family refuses, in one line that names the flag, what SageMaker or
+# the container would only refuse later, after the code upload or after paying for the instances' start-up.
+
+PROG = "python -m minilm_az.launch.sagemaker"
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's general purpose bucket naming rules
+JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # CreateTrainingJob's TrainingJobName pattern
+V3_STAMP = "-20260710120000"  # the shape of what SDK 3.x appends to a base name (-YYYYmmddHHMMSS), then cuts at 63
+INSTANCE_TYPE = re.compile(r"ml\.(?P<family>[a-z][a-z0-9]*(?:-[a-z0-9]+)*)\.(?:[0-9]*xlarge|large|medium)")
+# A few real training families, for suggestions. The table only guards typos: a family it lacks is still
+# accepted when botocore's own list of training instance types has it, so new hardware is never refused.
+INSTANCE_FAMILIES = (
+    "p4d", "p4de", "p5", "p5e", "p5en", "p6-b200", "g4dn", "g5", "g6", "g6e",
+    "trn1", "trn1n", "trn2", "m5", "m6i", "m7i", "c5", "c6i", "c7i", "r5",
+)  # fmt: skip
+ENV_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # CreateTrainingJob's Environment key pattern
+ENV_MAX_ITEMS, ENV_MAX_CHARS = 100, 512  # its limits: entries, and characters in a key or a value
+RELATIVE_PATH = re.compile(r"[\w.-]+(/[\w.-]+)+/?")  # data/az/firefox.txt; a sentence with a slash has spaces
+
+
+def _refuse(message: str) -> NoReturn:
+    """The launcher's one-line refusal (exit 2) from outside parse_args, where no parser is at hand."""
+    flags.Parser(prog=PROG).error(message)
+
+
+def _bucket_problem(bucket: str) -> str | None:
+    """What S3 would reject in a bucket name, or None."""
+    if not bucket:
+        return "the URI names no bucket; expected s3://BUCKET/KEY"
+    if bucket.startswith("s3://"):
+        return f"pass the bucket's name alone ({bucket[5:].split('/')[0]}), without s3://"
+    if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        return (
+            f"{bucket!r} is not an S3 bucket name; expected 3-63 lowercase letters, digits, dots and hyphens, "
+            "starting and ending with a letter or digit"
+        )
+    if re.fullmatch(r"[0-9]+(\.[0-9]+){3}", bucket):
+        return f"{bucket!r} is not an S3 bucket name; S3 refuses names shaped like an IP address"
+    return None
+
+
+def _check_s3(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every bucket and s3:// URI the job names: the channels, the checkpoint prefix, and the bucket and prefix
+    that the code, output and checkpoint URIs are built from. S3 keys may hold whitespace, but in a URI given
+    on a command line it is nearly always a quoting slip, and the job would then read or write elsewhere."""
+    uris = {flags.flag(f): getattr(args, f"ch_{ch}") for ch, f in STAGES[args.stage].channels().items()}
+    uris["--checkpoint-s3"] = args.checkpoint_s3
+    for flag, uri in uris.items():
+        if uri is None:
+            continue
+        if not uri.startswith("s3://") or len(uri) <= 5:
+            parser.error(f"{flag}: {uri!r} is not an s3:// URI (upload it first: aws s3 sync DIR s3://BUCKET/KEY/)")
+        if re.search(r"\s", uri):
+            parser.error(f"{flag}: {uri!r} holds whitespace; expected s3://BUCKET/KEY without spaces")
+        problem = _bucket_problem(uri[5:].split("/")[0])
+        if problem:
+            parser.error(f"{flag}: {uri}: {problem}")
+    if args.bucket is not None and (problem := _bucket_problem(args.bucket)):
+        parser.error(f"--bucket: {problem}")
+    if re.search(r"\s", args.prefix):
+        parser.error(f"--prefix: {args.prefix!r} holds whitespace; expected a key prefix such as minilm-az")
+
+
+def _check_job_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The name CreateTrainingJob will get. 2.x sends --job-name as it is; 3.x sends it with underscores made
+    hyphens and its own timestamp appended, cut at 63 characters. The default names are built valid."""
+    if args.job_name is None:
+        return
+    sent = args.job_name
+    if args.sdk == "v3":
+        if len(sent) + len(V3_STAMP) > 63:
+            parser.error(
+                f"--job-name: {sent!r} is {len(sent)} characters; SDK 3.x appends -YYYYmmddHHMMSS and cuts the "
+                f"name at 63, so at most {63 - len(V3_STAMP)} keep the timestamp whole"
+            )
+        sent = sent.replace("_", "-") + V3_STAMP
+    if not JOB_NAME.fullmatch(sent):
+        parser.error(
+            f"--job-name: {args.job_name!r} is not a SageMaker training job name; expected letters, digits and "
+            "hyphens, starting and ending with a letter or digit, at most 63 characters"
+        )
+
+
+def _training_families() -> set[str]:
+    """The instance families botocore's SageMaker model lists for training (empty without botocore)."""
+    try:
+        import botocore.session
+    except ImportError:
+        return set()
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    return {t.split(".")[1] for t in model.shape_for("TrainingInstanceType").enum}
+
+
+def _check_instance_type(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A misspelled --instance-type is refused by CreateTrainingJob only after the code is uploaded."""
+    m = INSTANCE_TYPE.fullmatch(args.instance_type)
+    if not m:
+        parser.error(
+            f"--instance-type: {args.instance_type!r} is not a SageMaker training instance type; expected "
+            f"ml.<family>.<size>, e.g. {STAGES[args.stage].instance_type}"
+        )
+    family = m["family"]
+    if family in INSTANCE_FAMILIES or family in _training_families():
+        return
+    size = args.instance_type.split(".", 2)[2]
+    close = difflib.get_close_matches(family, INSTANCE_FAMILIES, n=3)
+    hint = f"did you mean {' or '.join(f'ml.{f}.{size}' for f in close)}?" if close else ""
+    parser.error(
+        f"--instance-type: {args.instance_type!r} has an unknown instance family {family!r}; "
+        + (hint or f"known families: {', '.join(INSTANCE_FAMILIES)}")
+    )
+
+
+def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """SageMaker's bounds on the machine and time flags. argparse's float() also takes nan and inf, which
+    no stopping condition can hold."""
+    for flag, value in (("--instance-count", args.instance_count), ("--volume-size", args.volume_size)):
+        if value < 1:
+            parser.error(f"{flag}: must be at least 1, got {value}")
+    for flag, hours in (("--max-run-hours", args.max_run_hours), ("--max-wait-hours", args.max_wait_hours)):
+        if hours is not None and not (math.isfinite(hours) and hours * 3600 >= 1):
+            parser.error(f"{flag}: must be a positive number of hours (at least one second), got {hours}")
+
+
+def _check_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """CreateTrainingJob's limits on Environment; the launcher's PYTHONUNBUFFERED counts as one entry."""
+    for key, value in args.env:
+        if value is None:
+            parser.error(f"--env: {key!r} has no value; expected KEY=VALUE")
+        if not ENV_NAME.fullmatch(key) or len(key) > ENV_MAX_CHARS:
+            parser.error(
+                f"--env: {key!r} is not an environment variable name; expected letters, digits and _, "
+                f"not starting with a digit, at most {ENV_MAX_CHARS} characters"
+            )
+        if len(value) > ENV_MAX_CHARS:
+            parser.error(f"--env: the value of {key} is {len(value)} characters; SageMaker takes {ENV_MAX_CHARS}")
+    if len({"PYTHONUNBUFFERED", *(k for k, _ in args.env)}) > ENV_MAX_ITEMS:
+        parser.error(f"--env: more than {ENV_MAX_ITEMS} variables with the launcher's PYTHONUNBUFFERED")
+
+
+def _check_local_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A script flag naming a file on this machine (or in S3) reaches the container as a path that is not
+    there, and the job fails after its start-up is paid. Only the free-text flags are looked at: a number,
+    a boolean or a choice cannot be a path. A value counts as a path when it exists here or is written as one."""
+    cls = stage_config(args)
+    free_text = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if "str" in str(f.type) and not flags.is_bool(f) and "choices" not in f.metadata
+    }
+    mounted = {ch: getattr(args, f"ch_{ch}") for ch in flags.channels(cls) if getattr(args, f"ch_{ch}")}
+    for key, value in args.hyperparameters.items():
+        if key.replace("-", "_") not in free_text or not isinstance(value, str):
+            continue
+        if value.startswith(f"{CONTAINER_INPUT}/"):
+            ch = value[len(CONTAINER_INPUT) + 1 :].split("/")[0]
+            if ch not in mounted:
+                parser.error(
+                    f"--{key}: {value} is under channel {ch!r}, which this job does not mount; "
+                    f"its channels are {', '.join(mounted)}"
+                )
+            continue
+        written_as_path = value.startswith(("/", "./", "../", "~", "s3://")) or RELATIVE_PATH.fullmatch(value)
+        if value.startswith("/opt/ml/") or not (written_as_path or Path(value).exists()):
+            continue
+        ch, uri = next(iter(mounted.items()))
+        name = Path(value).name or "FILE"
+        parser.error(
+            f"--{key}: {value} does not exist in the container, which sees only /opt/ml and the channels; put the "
+            f"file under an input prefix of this job and pass its container path, e.g. {uri.rstrip('/')}/{name} "
+            f"is {CONTAINER_INPUT}/{ch}/{name}"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argparse tree: one subcommand per stage, each with the common flags."""
     p = flags.Parser(  # one-line errors, like the scripts'
-        prog="python -m minilm_az.launch.sagemaker",
+        prog=PROG,
         allow_abbrev=False,
         description="Launch a minilm-az stage as a SageMaker training job. Flags not listed here are "
         "passed to the script as hyperparameters (--steps 1000 -> train.py --steps 1000).",
@@ -211,7 +380,6 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument(
                 flags.flag(fname),
                 dest=f"ch_{ch}",
-                type=_s3_uri,
                 metavar="S3_URI",
                 required=ch in stage.required,
                 help=f"channel {ch!r}, passed as {flags.flag(fname)} {CONTAINER_INPUT}/{ch}",
@@ -240,7 +408,6 @@ def build_parser() -> argparse.ArgumentParser:
         )
         m.add_argument(
             "--checkpoint-s3",
-            type=_s3_uri,
             metavar="S3_URI",
             help=f"synced with {CHECKPOINT_LOCAL_PATH}; reuse it to resume"
             + (" (default: per job under the bucket)" if stage.checkpoints else ""),
@@ -294,8 +461,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.hyperparameters = parse_passthrough(extra)
     except ValueError as e:
         parser.error(str(e))
-    if args.instance_count < 1:
-        parser.error("--instance-count must be at least 1")
     if args.role and not re.fullmatch(r"arn:aws[a-z-]*:iam::\d{12}:role/\S+", args.role):
         parser.error(f"--role wants the role's ARN (arn:aws:iam::ACCOUNT:role/NAME), got {args.role!r}")
     if args.region:
@@ -352,11 +517,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"--{key}: SDK 3.x's container writes hyperparameters into a shell file in '...' quotes, "
                     "so a value with a single quote would reach the script altered; leave the quote out"
                 )
+    _check_instance_type(parser, args)  # first: a misspelled GPU type would read as a CPU one just below
     if args.torchrun and not args.image_uri and not is_gpu_instance(args.instance_type):
         parser.error(
             f"--torchrun needs a GPU instance (ml.p*/ml.g*), not {args.instance_type}; "
             "pass --no-torchrun for a single CPU process"
         )
+    _check_s3(parser, args)
+    _check_job_name(parser, args)
+    _check_numbers(parser, args)
+    _check_env(parser, args)
+    _check_local_paths(parser, args)
     return args
 
 
@@ -700,15 +871,16 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
         _silence_sdk_telemetry(sdk)
         bucket = args.bucket or (f"sagemaker-{region}-ACCOUNT" if args.dry_run else None)
         session, role = _sdk_session(sdk, boto_session, bucket)
-        bucket = bucket or session.default_bucket()
         role = args.role or role
-        if not role:
+        if not role:  # before default_bucket(), which asks STS and S3 and may create the bucket
             if not args.dry_run:
-                raise SystemExit(
-                    "error: no execution role: pass --role arn:aws:iam::ACCOUNT:role/NAME "
+                _refuse(
+                    "--role: no execution role given, and the SageMaker SDK's config file names none "
+                    "(SageMaker.TrainingJob.RoleArn); pass --role arn:aws:iam::ACCOUNT:role/NAME "
                     "(docs/sagemaker.md lists what it needs)"
                 )
             role = "arn:aws:iam::ACCOUNT:role/ROLE"
+        bucket = bucket or session.default_bucket()
         plan = plan_job(args, bucket=bucket, role=role)
         with tempfile.TemporaryDirectory(prefix="minilm-az-src-") as tmp:
             src = stage_source_dir(tmp, gpu=is_gpu_instance(plan.instance_type), root=root)
@@ -832,10 +1004,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launched = launch(args)
     except Exception as e:  # botocore/SDK errors (bad region, role, credentials) are one line here, not 190
-        print(
-            f"python -m minilm_az.launch.sagemaker: error: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
-            file=sys.stderr,
-        )
+        # The whole message, its lines joined: botocore's ParamValidationError and the SDK's ValueErrors give
+        # their reason after the first line, so cutting at the first line would leave only "validation failed".
+        reason = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+        print(f"{PROG}: error: {type(e).__name__}: {reason}", file=sys.stderr)
         return 2
     plan, req = launched.plan, launched.request
     if args.dry_run:
