@@ -27,7 +27,7 @@ from minilm_az.chat import ChatFormatError, collate, micro_batches
 from minilm_az.config import FinetuneConfig
 from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained, saved_dtype
 from minilm_az.kernels import select_ops
-from minilm_az.launch.flags import make_parser, parse_config
+from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
@@ -201,7 +201,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
     state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
     control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
-    start = ckpt.resume(model, opt, must, may, log.info)[0] if cfg.resume == "auto" else 0
+    start = ckpt.resume(model, opt, must, may, log.info, steps)[0] if cfg.resume == "auto" else 0
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     elif val:
@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             try_model(cfg)
             return 0
         proc = parallel.setup(cfg.device)
-        log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main)
+        tensorboard = tensorboard_dir(cfg.out) if cfg.tensorboard else None
+        log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main, tensorboard=tensorboard)
         try:
             train(cfg, proc, log)
             parallel.finish()

@@ -27,7 +27,7 @@ from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan
 from minilm_az.data import BatchStream
 from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
-from minilm_az.launch.flags import make_parser, parse_config
+from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
@@ -218,6 +218,8 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     """Inputs, model, resume; then each step trains, logs, evaluates and checkpoints; then the export."""
     flags = plan.flags
     tok, stream, val = parallel.agree(lambda: load_inputs(plan, proc), proc)
+    record = dataclasses.asdict(plan)
+    log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(model, plan.lr, (flags.beta1, flags.beta2), flags.weight_decay, proc.device.type == "cuda")
@@ -229,7 +231,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)
     start = 0
     if flags.resume == "auto":  # the newest complete checkpoint made from these same inputs
-        start, _ = ckpt.resume(model, optimizer, must, may, log.info)
+        start, _ = ckpt.resume(model, optimizer, must, may, log.info, plan.steps)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     else:
@@ -277,9 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # The paths are checked on every host, and a problem on one host stops them all with its reason.
         plan = parallel.agree(lambda: resolve(flags, proc.world_size), proc)
-        log = MetricLogger(os.path.join(plan.out, "metrics.jsonl"), enabled=proc.is_main)
-        record = dataclasses.asdict(plan)
-        log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
+        # Files appear at the first record, after the input checks; --eval-only writes one only where --out says.
+        jsonl = None if flags.eval_only and not flags.out else os.path.join(plan.out, "metrics.jsonl")
+        tensorboard = tensorboard_dir(plan.out) if flags.tensorboard else None
+        log = MetricLogger(jsonl, enabled=proc.is_main, tensorboard=tensorboard)
         try:
             eval_only(plan, proc, log) if plan.flags.eval_only else train(plan, proc, log)
             parallel.finish()

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minilm_az.logs import MetricLogger
-from minilm_az.outputs import atomic_write_json, file_sha256
+from minilm_az.outputs import atomic_write_json, file_sha256, read_json
 from minilm_az.parallel import Process, all_reduce_sum
 
 
@@ -52,7 +52,7 @@ class CheckpointError(ValueError):
 # files only, and no temporary ones. A checkpoint counts only when every rank's manifest is present and every
 # file matches it, so the order in which the files reached S3 does not matter.
 
-_STEP_DIR = re.compile(r"step-(\d{8})-([0-9a-f]{8})")
+_STEP_DIR = re.compile(r"step-(\d+)(-\w+)?")  # what this version writes, and anything else named like it
 STAGING = ".sagemaker-ignore"
 MANIFEST = "manifest-{:05d}.json"
 
@@ -60,14 +60,11 @@ MANIFEST = "manifest-{:05d}.json"
 # DCP's `.metadata` is a pickle, so a file planted in a checkpoint dir could run code when read. These are
 # the only globals a model + optimizer checkpoint's metadata holds (found by tracing find_class on real
 # saves, FSDP2 and plain); every torch dtype is allowed too. Anything else is refused before it is called.
+_DCP_CLASSES = "Metadata MetadataIndex StorageMeta TensorProperties TensorStorageMetadata ChunkStorageMetadata"
 _METADATA_GLOBALS = {
-    *(
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in [
-            *("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata"),
-            *("ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"),
-        ]
-    ),
+    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_CLASSES.split()),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co. by name
@@ -104,9 +101,10 @@ def read_metadata(path: str):
         raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
 
 
-def _rank_files(path: str, rank: int) -> list[str]:
-    """The files `rank` wrote into checkpoint dir `path`: its DCP data and RNG, and rank 0's metadata and state."""
-    names = [n for n in os.listdir(path) if re.fullmatch(rf"__{rank}_\d+\.distcp", n)]
+def _rank_files(path: str | None, rank: int) -> list[str]:
+    """The files `rank` wrote into checkpoint dir `path`: its DCP data and RNG, and rank 0's metadata and state
+    (path None: the ones every rank writes, whatever DCP's data files are)."""
+    names = [n for n in os.listdir(path) if re.fullmatch(rf"__{rank}_\d+\.distcp", n)] if path else []
     return sorted(names + [f"rng-{rank:05d}.safetensors"] + ([".metadata", "train_state.json"] if rank == 0 else []))
 
 
@@ -130,11 +128,12 @@ def _read_manifests(path: str) -> tuple[list[tuple[str, dict]], str | None]:
                 m = json.load(fh)
             world, files = (world if rank else int(m["world_size"])), m["files"].items()
             typed = all(isinstance(f["size"], int) and isinstance(f["sha256"], str) for _, f in files)
-            if m["world_size"] != world or not typed:
-                return [], f"{name} does not belong with manifest-00000.json"
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            names = {os.path.basename(n) for n, _ in files}  # a name is a file of this dir, nothing else
+            if m["world_size"] != world or not typed or not set(_rank_files(None, rank)) <= names:
+                return [], f"{name} is not a manifest of this checkpoint's rank {rank}"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             return [], f"{name} is unreadable ({type(e).__name__})"
-        listed += sorted((os.path.basename(n), f) for n, f in files)  # a name is a file of this dir, nothing else
+        listed += sorted((os.path.basename(n), f) for n, f in files)
         rank += 1
     return listed, None
 
@@ -152,21 +151,24 @@ def check(path: str, share: int = 0, shares: int = 1) -> str | None:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"{name} is missing"
-        if i % shares == share and (os.path.getsize(file), file_sha256(file)) != (want["size"], want["sha256"]):
-            return f"{name} does not match its manifest (size or sha256): a damaged or partly synced file"
-    return None
+        try:
+            if i % shares == share and (os.path.getsize(file), file_sha256(file)) != (want["size"], want["sha256"]):
+                return f"{name} does not match its manifest (size or sha256): a damaged or partly synced file"
+        except OSError as e:
+            return f"{name} is unreadable ({e.strerror})"
+    try:  # every data file that loading reads must be one the manifests vouch for
+        unlisted = {i.relative_path for i in read_metadata(path).storage_data.values()} - {n for n, _ in listed}
+    except CheckpointError as e:
+        return str(e).removeprefix(f"{path}/")
+    return f"{sorted(unlisted)[0]} is read by .metadata but no manifest lists it" if unlisted else None
 
 
 def step_dirs(ckpt_dir: str) -> list[str]:
     """Names of the checkpoint dirs in ckpt_dir (not staging ones), newest step first."""
     if not os.path.isdir(ckpt_dir):
         return []
-    return sorted((d for d in os.listdir(ckpt_dir) if _STEP_DIR.fullmatch(d)), reverse=True)
-
-
-def latest_checkpoint(ckpt_dir: str) -> str | None:
-    """The newest complete checkpoint in ckpt_dir, read on this process alone (for tools and tests)."""
-    return next((os.path.join(ckpt_dir, n) for n in step_dirs(ckpt_dir) if not check(os.path.join(ckpt_dir, n))), None)
+    names = [d for d in os.listdir(ckpt_dir) if _STEP_DIR.fullmatch(d)]
+    return sorted(names, key=lambda d: (int(_STEP_DIR.fullmatch(d).group(1)), d), reverse=True)
 
 
 def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None:
@@ -264,12 +266,8 @@ class Checkpointer:
         if error := _first_error(error):  # every rank learns of it: none goes on into DCP's collectives alone
             raise self._not_written(step, error)
         if self.async_save:
-            fut = dcp.async_save(
-                self._staged(state),
-                checkpoint_id=tmp,
-                storage_writer=self._async_writer(tmp),
-                process_group=self._group,
-            )
+            writer, group = self._async_writer(tmp), self._group
+            fut = dcp.async_save(self._staged(state), checkpoint_id=tmp, storage_writer=writer, process_group=group)
             fut = getattr(fut, "upload_completion", fut)
             # The manifest's sha256 reads every file back (~1 s a GB): in a thread of its own too, since hashlib
             # lets go of the GIL, so that training does not wait for it.
@@ -376,7 +374,7 @@ class Checkpointer:
             dist.destroy_process_group(self._group)
             self._group = None
 
-    def resume(self, model, optimizer, must_match: dict, may_change: dict, warn) -> tuple[int, dict | None]:
+    def resume(self, model, optimizer, must_match: dict, may_change: dict, warn, steps: int) -> tuple[int, dict | None]:
         """Load the newest checkpoint that is complete on every host and loads; (step, train_state), or (0, None)
         when ckpt_dir holds none at all.
 
@@ -396,6 +394,8 @@ class Checkpointer:
             if error is None:
                 saved = _on_rank0(functools.partial(read_train_state, path), rank)
                 changed = _check_state(path, saved, must_match, may_change)
+                if int(saved["step"]) > steps:  # its export would be a later model than the one asked for
+                    raise CheckpointError(f"{path}: at step {saved['step']}, past --steps {steps}; use --resume never")
                 try:
                     load_train_checkpoint(path, model, optimizer, rank)
                 except CheckpointError as e:
@@ -519,7 +519,9 @@ def load_train_checkpoint(path: str, model, optimizer, rank: int) -> None:
     (step, inputs) is `read_train_state(path)`, which `resume` reads first, to refuse another run's checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    options = StateDictOptions(ignore_frozen_params=True)  # as saved: what trains
+    # As saved: what trains. Not strict, since the frozen weights are not in the state (they come from the base at
+    # build time); DCP's load has already required every tensor of the state.
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     _dcp_load(state, path)
@@ -536,10 +538,7 @@ def load_train_checkpoint(path: str, model, optimizer, rank: int) -> None:
 
 
 def _on_rank0(fn, rank: int):
-    """fn() run on rank 0, its result (or its CheckpointError) handed to every rank, so all take one path.
-
-    Several hosts may see different files (each syncs its own disk); rank 0's view decides.
-    """
+    """fn() run on rank 0, its result (or its CheckpointError) handed to every rank, so all take one path."""
     box = [None]
     if rank == 0:
         try:
@@ -555,7 +554,7 @@ def _on_rank0(fn, rank: int):
 
 
 def _first_error(error: str | None) -> str | None:
-    """The first rank's load error (None if every rank loaded), known to every rank."""
+    """The first rank's error (None if no rank had one), known to every rank."""
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
@@ -581,20 +580,12 @@ def _check_state(path: str, saved: dict, must_match: dict, may_change: dict) -> 
                 f"{path}: checkpoint was made with {key}={old!r}, this run has {new!r}; "
                 f"use --resume never or another --checkpoint-dir"
             )
-    changed = []
-    for key, new in may_change.items():
-        new = json.loads(json.dumps(new))
-        if key in saved and saved[key] != new:
-            changed.append(f"{key}={saved[key]!r}->{new!r}")
-    return changed
+    may = {key: json.loads(json.dumps(new)) for key, new in may_change.items()}
+    return [f"{key}={saved[key]!r}->{new!r}" for key, new in may.items() if key in saved and saved[key] != new]
 
 
 def read_train_state(path: str) -> dict:
-    try:
-        with open(os.path.join(path, "train_state.json")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}/train_state.json: unreadable ({e})") from None
+    return read_json(os.path.join(path, "train_state.json"), CheckpointError)  # its manifest vouched for it
 
 
 # ---------------------------------------------------------------- identities (what a resume must agree on)

@@ -15,6 +15,7 @@ from typing import Any
 CONTAINER_INPUT = "/opt/ml/input/data"  # fixed by SageMaker
 CONTAINER_MODEL = "/opt/ml/model"
 CONTAINER_CHECKPOINTS = "/opt/ml/checkpoints"  # CheckpointConfig.LocalPath; SageMaker syncs it with S3
+CONTAINER_TENSORBOARD = "/opt/ml/output/tensorboard"  # TensorBoardOutputConfig's local path (the SDKs' default)
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,9 @@ def _f(default: Any, help: str, **meta) -> Any:
 
 
 @dataclass
-class CheckpointFlags:
-    """How train.py and finetune.py checkpoint and resume (one checkpointer: minilm_az/checkpoint.py)."""
+class LoopFlags:
+    """What the loops of train.py and finetune.py share: checkpoints and resume (minilm_az/checkpoint.py), and
+    TensorBoard event files written from the same records as metrics.jsonl (minilm_az/logs.py)."""
 
     checkpoint_dir: str | None = _f(
         None, "training checkpoints (default OUT/checkpoints)", container=CONTAINER_CHECKPOINTS
@@ -49,19 +51,17 @@ class CheckpointFlags:
     )
     checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)", lo=0)
     checkpoint_minutes: float = _f(
-        0.0,
-        "also checkpoint every N minutes of wall time (0: off; 30 on SageMaker, where no SIGTERM reaches us)",
-        lo=0.0,
-        sagemaker=30.0,
+        0.0, "also every N minutes (0: off; 30 on SageMaker, where no SIGTERM reaches us)", lo=0.0, sagemaker=30.0
     )
     async_checkpoint: bool = _f(
         True, "write checkpoints in the background (training waits only for the copy off the GPU)"
     )
     keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
+    tensorboard: bool = _f(False, "TensorBoard event files too, in OUT/tensorboard (on SageMaker synced to S3)")
 
 
 @dataclass
-class TrainConfig(CheckpointFlags):
+class TrainConfig(LoopFlags):
     phase: int = _f(2, "1: train embeddings only (new vocabulary adapts); 2: train everything", choices=(1, 2))
     preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
     base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
@@ -141,7 +141,7 @@ class TrainPlan:
 
 
 @dataclass
-class FinetuneConfig(CheckpointFlags):
+class FinetuneConfig(LoopFlags):
     model: str | None = _f(None, "HF-format Llama directory (the CPT export)", channel="model")
     tokenizer: str | None = _f(None, "directory with tokenizer.json (default: --model)", channel="tokenizer")
     data: str | None = _f(

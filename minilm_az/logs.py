@@ -10,6 +10,7 @@ with no spaces in the value, so a regex like `\\bloss=([0-9.eE+-]+)` picks one m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,18 +36,15 @@ def _fmt(v: Any) -> str:
 
 def format_line(stream: str, **metrics: Any) -> str:
     """`stream k1=v1 k2=v2 ...`, values formatted compactly, None values left out."""
-    parts = [stream] + [f"{k}={_fmt(v)}" for k, v in metrics.items() if v is not None]
-    return " ".join(parts)
+    return " ".join([stream] + [f"{k}={_fmt(v)}" for k, v in metrics.items() if v is not None])
 
 
 def eta(done: int, total: int, elapsed_s: float) -> str:
     """Remaining time as h:mm:ss from the mean rate so far."""
     if done <= 0 or total <= done:
         return "0:00:00"
-    left_s = elapsed_s / done * (total - done)
-    h, rem = divmod(int(left_s), 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}"
+    h, rem = divmod(int(elapsed_s / done * (total - done)), 3600)  # what is left, at the mean rate so far
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
 
 
 class Progress:
@@ -77,10 +75,7 @@ class Progress:
         out = {k: v / max(self.steps, 1) for k, v in self.sums.items()}
         out["steps_per_s"] = self.steps / max(self.window, 1e-9)
         out["eta"] = eta(done - self.start, self.total - self.start, self.busy)
-        self.window = 0.0
-        self.steps = 0
-        self.sums = {}
-        self.last = time.monotonic()
+        self.window, self.steps, self.sums, self.last = 0.0, 0, {}, time.monotonic()
         return out
 
 
@@ -97,12 +92,8 @@ def throughput(tokens_per_s: float, world: int, flops_per_token: float, device) 
         mfu = round(100 * flops_per_token * tokens_per_s / world / PEAK_FLOPS, 2)
     else:
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-    return {
-        "tokens_per_s": round(tokens_per_s),
-        "tokens_per_s_per_gpu": round(tokens_per_s / world, 1),
-        "mfu": mfu,
-        "peak_mem_gib": round(peak_gib, 2),
-    }
+    per_gpu, peak_mem_gib = round(tokens_per_s / world, 1), round(peak_gib, 2)
+    return dict(tokens_per_s=round(tokens_per_s), tokens_per_s_per_gpu=per_gpu, mfu=mfu, peak_mem_gib=peak_mem_gib)
 
 
 def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
@@ -118,41 +109,55 @@ def ticker(log: MetricLogger, stream: str, seconds: float = 30.0, **fixed: Any):
     return progress
 
 
-def print_error(prog: str, error: BaseException) -> None:
+def print_error(prog: str, error: BaseException | str) -> None:
     """Print `prog: error: message` on stderr, once on each host: under torchrun only local rank 0 prints.
 
-    Each host has a log of its own on SageMaker, so every host says why the job stopped.
+    Each host has a log of its own on SageMaker, so every host says why the job stopped. There the line is also the
+    job's failure reason: the containers write none when one is there, and theirs would not hold it (only a fixed text).
     """
     if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
         print(f"{prog}: error: {error}", file=sys.stderr)
+        if out := os.environ.get("SM_OUTPUT_DIR"):  # SageMaker's /opt/ml/output; the first line written stays
+            with contextlib.suppress(OSError), open(os.path.join(out, "failure"), "x", encoding="utf-8") as f:
+                f.write(f"{prog}: error: {error}\n")
 
 
 class MetricLogger:
-    """Prints key=value lines (rank 0 only) and appends them to `metrics.jsonl`, which a resume extends."""
+    """Prints key=value lines (rank 0 only) and appends them to `metrics.jsonl`, which a resume extends. With a
+    `tensorboard` dir, the numbers of each record that has a step are also TensorBoard scalars, `KIND/KEY`.
+    Files are made at the first record, so a run refused by its checks leaves none behind."""
 
-    def __init__(self, jsonl_path: str | None, enabled: bool = True, stream: TextIO | None = None):
-        self.enabled = enabled
-        self.stream = stream or sys.stdout
-        self.file = None
-        if enabled and jsonl_path:
-            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self.file = open(jsonl_path, "a", encoding="utf-8")
+    def __init__(self, jsonl: str | None, enabled: bool = True, stream: TextIO | None = None, tensorboard=None):
+        self.enabled, self.stream, self.jsonl, self.tensorboard = enabled, stream or sys.stdout, jsonl, tensorboard
+        self.file = self.writer = None
 
     def log(self, stream: str, **metrics: Any) -> None:
         if not self.enabled:
             return
         print(format_line(stream, **metrics), file=self.stream, flush=True)
+        if self.jsonl and self.file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
+            self.file = open(self.jsonl, "a", encoding="utf-8")
         if self.file is not None:
             record = {"kind": stream, "time": round(time.time(), 3)}
             record.update({k: v for k, v in metrics.items() if v is not None})
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.tensorboard and isinstance(metrics.get("step"), int):
+            if self.writer is None:  # the tensorboard extra: the flags refuse --tensorboard without it
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(self.tensorboard, flush_secs=30)
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"{stream}/{key}", value, metrics["step"])
 
     def info(self, msg: str) -> None:
         if self.enabled:
             print(msg, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        for f in (self.file, self.writer):
+            if f is not None:
+                f.close()
+        self.file = self.writer = None

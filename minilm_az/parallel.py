@@ -9,9 +9,11 @@ shards) and load or initialise the weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minilm_az.logs import print_error
+
 T = TypeVar("T")
+
+# A collective that waits longer than this fails the job (on NCCL torch's watchdog kills the rank): the only sign of a
+# peer that froze or was cut off with its connections open. Three minutes end the job within five on the other hosts
+# (the replay's host took 4 s more to exit; a minute is left for it) and exceed a healthy job's longest wait: under two
+# for the slowest rank's part of a 14 GB synchronous checkpoint (1B, fp32 Adam) at 128 MiB/s (compile, eval: seconds).
+COLLECTIVE_TIMEOUT_S = 180
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,11 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def setup(device: str = "auto", timeout_min: int = 10) -> Process:
+def setup(device: str = "auto", timeout_s: float | None = None) -> Process:
     """Join the torchrun process group (or make a one-process group), bind this rank's GPU.
 
-    A collective that waits longer than `timeout_min` fails. On NCCL a peer that died on another host is
-    otherwise noticed only after torch's default of 30 minutes, which a user sees as a hang.
-
+    Every group of the job fails a collective that waits longer than `timeout_s` (default: the environment's
+    MINILM_AZ_COLLECTIVE_TIMEOUT_S, else COLLECTIVE_TIMEOUT_S), and a rank that loses a peer says so in one line.
     A group is made even for one process, so training is one code path: FSDP2 over a mesh of any size.
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -64,17 +73,26 @@ def setup(device: str = "auto", timeout_min: int = 10) -> Process:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))  # 1 thread/process is fastest here
     if not dist.is_initialized():
+        seconds = timeout_s or float(os.environ.get("MINILM_AZ_COLLECTIVE_TIMEOUT_S") or COLLECTIVE_TIMEOUT_S)
+        timeout = timedelta(seconds=seconds)
+        # Groups made later with no timeout (HSDP's mesh, the Checkpointer's) take these, not 30 min (gloo), 10 (NCCL).
+        dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = timeout
         # A lone process (no torchrun) rendezvous in memory: no port to pick, nothing to collide with.
         store = dist.HashStore() if world == 1 and "MASTER_ADDR" not in os.environ else None
-        dist.init_process_group(
-            "nccl" if dev.type == "cuda" else "gloo",
-            rank=rank,
-            world_size=world,
-            store=store,
-            timeout=timedelta(minutes=timeout_min),
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        backend, device_id = ("nccl", dev) if dev.type == "cuda" else ("gloo", None)
+        dist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timeout, device_id=device_id)
+        sys.excepthook = functools.partial(_lost_peer, sys.excepthook, rank, seconds) if world > 1 else sys.excepthook
     return Process(rank, world, local_rank, dev)
+
+
+def _lost_peer(previous: Callable, rank: int, seconds: float, kind: type, error: BaseException, tb) -> None:
+    """sys.excepthook: after the traceback, one line when the ranks' communication failed (a RuntimeError)."""
+    previous(kind, error, tb)
+    if isinstance(error, dist.DistError) or "/gloo/" in str(error):
+        raw = str(error).strip().rsplit("\n", 1)[-1].split("] ", 1)[-1].split(". ")[0]  # no gloo source path or advice
+        host = os.environ.get("SM_CURRENT_HOST") or socket.gethostname()
+        lost = f"lost another rank, whose host ended or stopped answering for {seconds:g} s (see the hosts' logs)"
+        print_error(os.path.basename(sys.argv[0]), f"rank {rank} on {host} {lost}: {raw}")
 
 
 def finish() -> None:
@@ -177,13 +195,8 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def _save_matmuls_policy():
     # Selective AC: keep what is expensive to recompute (matmuls, attention), recompute the elementwise rest.
     ops = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    ):
-        if hasattr(torch.ops.aten, name):
-            ops.append(getattr(torch.ops.aten, name).default)
+    attention = [f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn")]
+    ops += [getattr(torch.ops.aten, name).default for name in attention if hasattr(torch.ops.aten, name)]
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx, op, *args, **kwargs):
@@ -202,13 +215,10 @@ def apply_ac(model: nn.Module, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"--ac must be none, full or selective, got {mode!r}")
-    import functools
-
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    context_fn = (
-        functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy()) if mode == "selective" else None
-    )
+    selective = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy())
+    context_fn = selective if mode == "selective" else None
     for block in model.model.layers.values():
         inner = block.forward
 
@@ -323,11 +333,8 @@ def apply_fsdp(model: nn.Module, mixed_precision: bool, reshard_after_forward: b
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    mp = MixedPrecisionPolicy(**bf16)
     mesh = None  # FSDP2's default, all ranks in one shard group
     if replicate > 1:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"

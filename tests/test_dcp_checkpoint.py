@@ -21,8 +21,8 @@ from minilm_az.checkpoint import (
     Checkpointer,
     CheckpointError,
     check,
-    latest_checkpoint,
     load_train_checkpoint,
+    read_metadata,
     read_train_state,
     step_dirs,
 )
@@ -57,7 +57,12 @@ def save_train_checkpoint(d, step, model, opt, state=STATE, keep=2) -> str:
 
 
 def resume(d, model, opt, must, may, warn):
-    return Checkpointer(str(d), PROC, async_save=False).resume(model, opt, must, may, warn)
+    return Checkpointer(str(d), PROC, async_save=False).resume(model, opt, must, may, warn, steps=100)
+
+
+def latest_checkpoint(d: str) -> str | None:
+    """The newest complete checkpoint in d, as this one process sees it."""
+    return next((os.path.join(d, n) for n in step_dirs(d) if check(os.path.join(d, n)) is None), None)
 
 
 def names(d) -> list[str]:
@@ -155,7 +160,7 @@ def test_a_save_never_reuses_a_name_and_the_run_resumed_prunes_the_other_attempt
     os.remove(os.path.join(lost, "manifest-00000.json"))  # this attempt never reached S3 whole
     ck = Checkpointer(str(tmp_path), PROC, keep=3, async_save=False)
     warnings = []
-    assert ck.resume(model, opt, {}, {}, warnings.append)[0] == 1 and ck.last() == first
+    assert ck.resume(model, opt, {}, {}, warnings.append, 100)[0] == 1 and ck.last() == first
     assert warnings == [
         f"warning: {lost} cannot be resumed (manifest-00000.json is missing (rank 0's files: a save or a sync that "
         "did not finish)); trying the one before it"
@@ -416,7 +421,7 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_the_newest
     assert step_dirs(str(ckpt)) == [os.path.basename(first)] and latest_checkpoint(str(ckpt)) == first
     model, opt = make(seed=4)
     ck = Checkpointer(str(ckpt), PROC, async_save=False)
-    assert ck.resume(model, opt, {"model": CFG.to_dict()}, {}, print)[0] == 1
+    assert ck.resume(model, opt, {"model": CFG.to_dict()}, {}, print, 100)[0] == 1
     ck.save(2, model, opt, STATE)  # the next save clears the killed one's dir
     assert names(ckpt) == ["step-00000001", "step-00000002"] and not staging.exists()
 
@@ -482,3 +487,81 @@ def test_two_ranks_on_two_hosts_async_save_then_resume_on_one(group, tmp_path, d
     model, opt = make(seed=3)
     assert resume(dirs[0], model, opt, {"model": CFG.to_dict()}, {}, print)[0] == 1
     assert_same(tensors(model, opt), torch.load(tmp_path / "want.pt"))
+
+
+def test_frozen_weights_are_not_saved_and_the_trainable_ones_resume(group, tmp_path):
+    """Phase 1 and a fine-tune freeze most weights: the checkpoint holds what trains, and loads without the rest."""
+    model, opt = make(seed=1)
+    for name, p in model.named_parameters():
+        p.requires_grad_("embed_tokens" in name)
+    path = save_train_checkpoint(tmp_path, 1, model, opt)
+    saved = {k for k in read_metadata(path).state_dict_metadata if k.startswith("model.")}
+    assert "model.model.embed_tokens.weight" in saved  # and the head, which is the same tensor (tied)
+    assert saved <= {"model.model.embed_tokens.weight", "model.lm_head.weight"}
+    want = tensors(model, opt)["model.model.embed_tokens.weight"]
+    fresh, fresh_opt = make(seed=2)
+    for name, p in fresh.named_parameters():
+        p.requires_grad_("embed_tokens" in name)
+    assert resume(tmp_path, fresh, fresh_opt, {}, {}, print)[0] == 1
+    assert torch.equal(tensors(fresh, fresh_opt)["model.model.embed_tokens.weight"], want)
+
+
+def _manifest(path: str) -> tuple[str, dict]:
+    file = os.path.join(path, "manifest-00000.json")
+    return file, json.loads(open(file).read())
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("unlisted data", "__0_0.distcp is read by .metadata but no manifest lists it"),
+        ("no rng", "manifest-00000.json is not a manifest of this checkpoint's rank 0"),
+        ("infinite world", "manifest-00000.json is unreadable (OverflowError)"),
+        ("deep json", "manifest-00000.json is unreadable (RecursionError)"),
+        ("unreadable file", "rng-00000.safetensors is unreadable"),
+    ],
+)
+def test_a_manifest_that_cannot_vouch_for_the_checkpoint_skips_it(group, tmp_path, monkeypatch, damage, reason):
+    model, opt = make()
+    save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
+    newest = save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    file, m = _manifest(newest)
+    if damage == "unlisted data":  # then a changed data file would go unseen
+        del m["files"]["__0_0.distcp"]
+    elif damage == "no rng":
+        del m["files"]["rng-00000.safetensors"]
+    if damage == "infinite world":
+        open(file, "w").write(json.dumps(m).replace('"world_size": 1', '"world_size": 1e400'))
+    elif damage == "deep json":
+        open(file, "w").write("[" * 100_000 + "]" * 100_000)
+    else:
+        open(file, "w").write(json.dumps(m))
+    if damage == "unreadable file":  # a bad sector: reading fails with EIO (root reads past any chmod)
+        from minilm_az import checkpoint
+
+        def sha256(file):
+            if file.startswith(newest) and file.endswith("rng-00000.safetensors"):
+                raise OSError(errno.EIO, "Input/output error")
+            return file_sha256(file)
+
+        monkeypatch.setattr(checkpoint, "file_sha256", sha256)
+    got = check(newest)
+    assert got is not None and got.startswith(reason), got
+    assert resume(tmp_path, model, opt, {}, {}, lambda line: None)[0] == 1
+
+
+def test_dirs_named_like_checkpoints_of_another_format_are_not_ignored(group, tmp_path):
+    """A step dir without manifests (an older version's, a copy by hand) is never passed over silently."""
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "train_state.json").write_text("{}")
+    model, opt = make()
+    with pytest.raises(CheckpointError, match="no checkpoint can be resumed: step-00000004: manifest-00000.json is"):
+        resume(tmp_path, model, opt, {}, {}, lambda line: None)
+    assert step_dirs(str(tmp_path)) == ["step-00000004"]
+
+
+def test_a_checkpoint_past_the_runs_steps_is_refused(group, tmp_path):
+    model, opt = make()
+    path = save_train_checkpoint(tmp_path, 8, model, opt)
+    with pytest.raises(CheckpointError, match=f"^{path}: at step 8, past --steps 4; use --resume never$"):
+        Checkpointer(str(tmp_path), PROC, async_save=False).resume(model, opt, {}, {}, print, steps=4)

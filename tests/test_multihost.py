@@ -3,10 +3,11 @@
 Each host is its own container (mount, UTS and PID namespaces, its own /opt/ml with the channels copied in,
 its own model mount and checkpoint dir) running the toolkit's own torchrun line (`--nnodes 2 --node_rank K
 --master_addr algo-1 --master_port 7777`); the hosts share one private network where every algo-K is
-loopback. The first tests check the harness with probe programs; then train.py phase 2 on two hosts is held
-to one process's numbers; then what happens today when host 2 dies or fails; last, the checkpoint sync model
-on its own (no torch, no containers). The sync tests state what SageMaker does (s3_sync's docstring has the
-sources); the multi-host failure tests state only what holds today, and issue 28 says what should.
+loopback. The first tests check the harness with probe programs, and that every process group of a job has the
+job's collective timeout; then train.py phase 2 on two hosts is held to one process's numbers; then what happens
+when host 2 dies, freezes or fails; last, the checkpoint sync model on its own (no torch, no containers). The
+sync tests state what SageMaker does (s3_sync's docstring has the sources); the multi-host failure tests state
+what holds today, and issue 28 says what should.
 """
 
 from __future__ import annotations
@@ -200,6 +201,38 @@ def test_a_trigger_kills_one_host_and_the_timeout_the_rest_with_all_their_proces
     assert not _processes_with(marker)  # nothing of either host outlives the replay
 
 
+GROUP_TIMEOUTS = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from minilm_az import parallel
+    from minilm_az.model import build_model, get_preset
+
+    parallel.setup("cpu")  # MINILM_AZ_COLLECTIVE_TIMEOUT_S=42
+    model = build_model(get_preset("tiny", 320), seed=0)
+    parallel.apply_fsdp(model, mixed_precision=False, replicate=2)  # train.py --replicate 2: a (2, 2) mesh
+    mesh = next(model.parameters()).device_mesh
+    groups = {"world": dist.group.WORLD, "new_group gloo": dist.new_group(backend="gloo")}  # as the Checkpointer's
+    groups.update({name: mesh.get_group(name) for name in ("replicate", "shard")})
+    got = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
+    open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w").write(json.dumps(got))
+    parallel.teardown()
+""")
+
+
+def test_every_process_group_of_an_hsdp_job_has_the_jobs_timeout(tmp_path):
+    """torch (2.13) gives a group made without a timeout its own default, 30 minutes on gloo and 10 on NCCL, and
+    not the default group's: a device mesh's groups, or the Checkpointer's gloo group, would wait that long on a
+    frozen peer. parallel.setup makes the job's timeout the default of every group made after it."""
+    (tmp_path / "groups.py").write_text(GROUP_TIMEOUTS)
+    env = {**os.environ, "MINILM_AZ_COLLECTIVE_TIMEOUT_S": "42", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port"]
+    cmd = [*torchrun, str(smc._free_port()), str(tmp_path / "groups.py"), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = {"world": 42.0, "new_group gloo": 42.0, "replicate": 42.0, "shard": 42.0}
+    assert [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(4)] == [want] * 4
+
+
 # ---------------------------------------------------------------------------------------------
 # train.py phase 2 on two hosts
 
@@ -287,15 +320,17 @@ def test_two_hosts_train_phase2_as_one_process_does(
 
 
 # ---------------------------------------------------------------------------------------------
-# One host dies or fails: what the job does today (issue 28's point 1 says what it should do)
+# One host dies, freezes or fails: what the job does today (issue 28 says what it should do)
 
 LONG = [*TRAIN[:6], "400", *TRAIN[7:]]  # --steps 400: still training when host 2 goes
 
 
-def _train_on_two_hosts(aws, tmp_path: Path, argv: list[str], shards: str, tokenizer: str, **replay) -> smc.JobRun:
-    """train.py on 2 hosts x 1 process over the small shards and tokenizer, with the replay's other arguments."""
+def _train_on_two_hosts(
+    aws, tmp_path: Path, argv: list[str], shards: str, tokenizer: str, nproc: int = 1, **replay
+) -> smc.JobRun:
+    """train.py on 2 hosts x `nproc` processes over the small shards and tokenizer, and the replay's other arguments."""
     launched = launch(aws, argv, hosts=2, inputs={"--data": shards, "--tokenizer": tokenizer})
-    return smc.replay_job(aws, launched, workdir=tmp_path / "job", hosts=2, nproc=1, timeout=180, **replay)
+    return smc.replay_job(aws, launched, workdir=tmp_path / "job", hosts=2, nproc=nproc, timeout=180, **replay)
 
 
 @pytest.mark.slow
@@ -318,13 +353,17 @@ def test_killing_host_2_mid_training_ends_the_job_on_both_hosts(
     assert host1.returncode != 0 and run.returncode != 0, run.explain()
     assert run.ended[0] - run.ended[1] < 60, run.explain()
     assert "train step=400 " not in host1.log
+    # After gloo's traceback, one line says what it means; it is also host 1's failure reason.
+    errors = [line for line in host1.log.splitlines() if line.startswith("train.py: error: ")]
+    assert len(errors) == 1 and errors[0].startswith("train.py: error: rank 0 on algo-1 lost another rank, "), errors
+    assert re.search(r"Connection (reset|closed) by peer$", errors[0]) and host1.failure == errors[0] + "\n", errors
 
 
 @pytest.mark.slow
 def test_a_silent_host_2_can_be_held_and_then_lost(aws, tmp_path, container_shards_dir, small_tokenizer_dir):
     """Host 2 frozen (SIGSTOP, its sockets left open): an instance gone from the network, as at a spot
-    interruption, with no reset for host 1 to read; 5 s later both instances are lost. Today host 1 spends
-    those 5 s waiting in its next collective (train.py's process group timeout is 30 minutes)."""
+    interruption, with no reset for host 1 to read; 5 s later both instances are lost. Host 1 spends those 5 s
+    waiting in its next collective (a collective gives up only after parallel.COLLECTIVE_TIMEOUT_S, 3 minutes)."""
     run = _train_on_two_hosts(
         aws,
         tmp_path,
@@ -341,6 +380,45 @@ def test_a_silent_host_2_can_be_held_and_then_lost(aws, tmp_path, container_shar
     froze, killed = (next(e for e in run.events if e.endswith(f" {what} algo-2")) for what in ("froze", "killed"))
     assert float(killed.split()[0]) - float(froze.split()[0]) >= 4.9, run.events  # silent, not gone, for 5 s
     assert run.returncode != 0 and "train step=400 " not in host1.log, run.explain()
+
+
+FROZEN_TIMEOUT_S = 20  # the job's collective timeout in the next test, through MINILM_AZ_COLLECTIVE_TIMEOUT_S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicate", [2, 1], ids=["hsdp", "fsdp"])
+def test_a_frozen_host_2_ends_the_job_on_host_1_after_the_collective_timeout_with_one_line(
+    replicate, aws, tmp_path, container_shards_dir, small_tokenizer_dir
+):
+    """Host 2 frozen for good, 2 processes a host: host 1 gives up its next collective after the job's timeout, in
+    whichever group it waits (under HSDP the replicate group that crosses the hosts is one the device mesh made
+    itself), says why in one line, which is also its failure reason, and exits nonzero on its own. Only then does
+    the replay kill host 2. The test lowers the timeout; with parallel.COLLECTIVE_TIMEOUT_S (3 minutes) host 1 would
+    end the same way 3 minutes after the freeze, plus what this test measures beyond its 20 s."""
+    env = f"MINILM_AZ_COLLECTIVE_TIMEOUT_S={FROZEN_TIMEOUT_S}"
+    run = _train_on_two_hosts(
+        aws,
+        tmp_path,
+        [*LONG, "--replicate", str(replicate), "--env", env],
+        container_shards_dir,
+        small_tokenizer_dir,
+        nproc=2,
+        triggers=[
+            smc.Trigger(line=r"^train step=2 ", host=1, freeze=2),
+            smc.Trigger(line=r"Reporting training FAILURE", host=1, kill=2),  # the toolkit, after torchrun ended
+        ],
+    )
+    host1, host2 = run.host(1), run.host(2)
+    assert not run.timed_out and host2.frozen and not host1.killed, run.explain()
+    froze = float(next(e for e in run.events if e.endswith(" froze algo-2")).split()[0])
+    took = run.ended[0] - froze
+    print(f"replicate {replicate}: host 1 ended {took:.1f} s after host 2 froze (timeout {FROZEN_TIMEOUT_S} s)")
+    assert host1.returncode != 0 and FROZEN_TIMEOUT_S <= took < FROZEN_TIMEOUT_S + 40, (took, run.explain())
+    assert f"--replicate {replicate} " in " ".join(host1.command or []) and "train step=400 " not in host1.log
+    errors = [line for line in host1.log.splitlines() if line.startswith("train.py: error: ")]
+    lost = rf"train\.py: error: rank [01] on algo-1 lost another rank, .* for {FROZEN_TIMEOUT_S} s .*: Timed out .*"
+    assert len(errors) == 1 and re.fullmatch(lost, errors[0]), host1.explain()
+    assert host1.failure == errors[0] + "\n", host1.failure  # what SageMaker shows as the job's FailureReason
 
 
 @pytest.mark.slow
@@ -364,6 +442,9 @@ def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
         assert len(errors) == 1 and errors[0].startswith(want) and "--checkpoint-dir" in errors[0], host.explain()
         assert re.search(r"exitcode\s*:\s*2 ", host.log), host.explain()
         assert "Connection closed by peer" not in host.log and "[rank0]: Traceback" not in host.log, host.explain()
+        # The job's FailureReason is that line. The toolkit writes /opt/ml/output/failure only when it is not there;
+        # its own would hold "ErrorMessage \"\"": it keeps stderr only from a line naming an exception class on.
+        assert host.failure == errors[0] + "\n", host.failure
     assert "model.safetensors" not in run.host(1).model_files() and run.host(2).model_files() == []
 
 

@@ -19,6 +19,7 @@ import tarfile
 import pytest
 from conftest import BUCKET, ROLE  # the mocked account the aws fixture sets up
 
+from minilm_az import config as C
 from minilm_az.launch import sagemaker as sm
 from minilm_az.logs import format_line
 
@@ -354,7 +355,7 @@ def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, proje
     assert not any(n.startswith(("runs", "tests", ".git")) or "__pycache__" in n for n in names)
     reqs = uploaded_source(aws, launched.request).extractfile("requirements.txt").read().decode()
     lines = [ln.split("#")[0].strip() for ln in reqs.splitlines()]
-    assert ".[prep]" in lines and any(ln.startswith("liger-kernel") for ln in lines)
+    assert ".[prep,tensorboard]" in lines and any(ln.startswith("liger-kernel") for ln in lines)
     assert not any(re.match(r"torch\s*([<>=~!;#]|$)", ln) for ln in lines)  # the image's torch stays (torchao may)
 
 
@@ -757,3 +758,16 @@ def test_a_replicate_the_user_passes_wins_over_one_copy_per_instance(aws, projec
     assert launch(aws, project, argv).request["HyperParameters"]["replicate"] == "1"
     one = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/"])
     assert "replicate" not in one.request["HyperParameters"]  # one instance: plain FSDP2, the script's default
+
+
+def test_tensorboard_syncs_the_scripts_event_files_to_s3(aws, project):
+    """--tensorboard reaches the script, and the job gets a TensorBoardOutputConfig whose local path is the dir the
+    script writes in a container (launch.flags.tensorboard_dir): SageMaker uploads it while the job runs."""
+    launched = launch(aws, project, ["train", "--phase", "2", "--data", "s3://corp/shards/", "--tensorboard"])
+    req = launched.request
+    assert "--tensorboard" in sm.container_args(req["HyperParameters"])
+    tb = req["TensorBoardOutputConfig"]
+    assert tb["LocalPath"] == "/opt/ml/output/tensorboard" == C.CONTAINER_TENSORBOARD
+    assert tb["S3OutputPath"] == f"s3://{BUCKET}/minilm-az/tensorboard/{req['TrainingJobName']}/"
+    plain = launch(aws, project, ["finetune", "--model", "s3://corp/m/", "--data", "s3://corp/d/"])
+    assert "TensorBoardOutputConfig" not in plain.request  # only when asked for

@@ -140,7 +140,7 @@ JOBS = {
     "train": (
         "train --phase 2 --instance-count 2 --spot --max-run-hours 48 --input-mode FastFile --data s3://corp/shards/ "
         "--base-model s3://corp/p1/model/ --tokenizer s3://corp/tok/ --steps 20000 --lr 3e-4 --compile "
-        "--env NCCL_DEBUG=WARN"
+        "--env NCCL_DEBUG=WARN --tensorboard"
     ).split(),
     "finetune": (
         "finetune --model s3://corp/p2/ --data s3://corp/sft/ --val-data s3://corp/sft-val/ --lora-r 16 --merge"
@@ -177,7 +177,7 @@ def job_view(request: dict, distribution: str | None) -> dict:
         command, argv = argv[0], argv[1:]
     cls = stage.configs[command]
     parsed = dataclasses.asdict(flags.parse_config(cls, flags.make_parser(cls, stage.script, "x"), argv))
-    ckpt = request.get("CheckpointConfig")
+    ckpt, tb = request.get("CheckpointConfig"), request.get("TensorBoardOutputConfig")
     return {
         "image": alg["TrainingImage"],
         "input_mode": alg["TrainingInputMode"],
@@ -188,6 +188,7 @@ def job_view(request: dict, distribution: str | None) -> dict:
             key=lambda c: c["ChannelName"],
         ),
         "checkpoint": ckpt and {**ckpt, "S3Uri": STAMP.sub("-STAMP", ckpt["S3Uri"])},
+        "tensorboard": tb and {**tb, "S3OutputPath": STAMP.sub("-STAMP", tb["S3OutputPath"])},
         "spot": bool(request.get("EnableManagedSpotTraining")),
         "stopping": request["StoppingCondition"],
         "metrics": alg.get("MetricDefinitions", []),

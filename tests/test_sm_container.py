@@ -315,7 +315,7 @@ def test_train_phase2_under_torchrun_exports_and_checkpoints(
     files = run.model_files()
     assert "config.json" in files and "model.safetensors" in files, run.explain()
     assert "tokenizer.json" in files
-    from minilm_az.checkpoint import latest_checkpoint
+    from test_dcp_checkpoint import latest_checkpoint
 
     assert latest_checkpoint(str(run.checkpoint_dir / "phase2")), run.explain()  # every manifest there and matching
     log = run.program_output()
@@ -360,3 +360,7 @@ def test_finetune_reads_the_val_data_channel_and_writes_the_adapter(aws, tmp_pat
         f"no log line gives the val set's size as {n_val} (the lines of {CHAT_VAL.name})\n{run.explain()}"
     )
     assert _metric_values(run.program_output(), "eval:val_loss", sm.FINETUNE_METRICS)
+    # and it checkpointed into the dir SageMaker syncs with the job's checkpoint prefix, complete
+    from test_dcp_checkpoint import latest_checkpoint
+
+    assert run.checkpoint_dir is not None and latest_checkpoint(str(run.checkpoint_dir)), run.explain()

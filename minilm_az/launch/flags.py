@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
 
-from minilm_az.config import CONTAINER_CHECKPOINTS, CONTAINER_MODEL
+from minilm_az.config import CONTAINER_CHECKPOINTS, CONTAINER_MODEL, CONTAINER_TENSORBOARD
 
 
 def in_sagemaker() -> bool:
     return "SM_MODEL_DIR" in os.environ or "SM_TRAINING_ENV" in os.environ
+
+
+def tensorboard_dir(out: str) -> str:
+    """Where --tensorboard writes event files: OUT/tensorboard, or in a SageMaker job the dir its
+    TensorBoardOutputConfig syncs to S3 (the launcher's --tensorboard sets one up)."""
+    return CONTAINER_TENSORBOARD if in_sagemaker() else os.path.join(out, "tensorboard")
 
 
 def flag(name: str) -> str:
@@ -162,12 +169,20 @@ def make_parser(cls, prog: str, doc: str) -> Parser:
     return p
 
 
-def parse_config(cls, parser: argparse.ArgumentParser, argv: list[str] | None = None):
-    """argv -> a `cls` instance: SageMaker booleans normalised, bounds checked, container defaults filled."""
+def parse_config(cls, parser: argparse.ArgumentParser, argv: list[str] | None = None, here: bool = True):
+    """argv -> a `cls` instance: SageMaker booleans normalised, bounds checked, container defaults filled.
+
+    `here`: the run is on this machine, so an optional package a flag needs must be installed (the launcher
+    checks a container's flags with here=False: the container installs it)."""
     argv = normalize_bools(list(sys.argv[1:] if argv is None else argv), cls)
     ns = parser.parse_args(argv)
     cfg = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
     check_bounds(parser, cfg)
+    if here and getattr(cfg, "tensorboard", False) and importlib.util.find_spec("tensorboard") is None:
+        parser.error(
+            "--tensorboard needs the tensorboard package, which is in the tensorboard extra: "
+            "pip install -e '.[tensorboard]'"
+        )
     sm_defaults(cfg)
     return cfg
 
@@ -181,4 +196,4 @@ def check_args(cls, argv: list[str]) -> None:
     """Parse `argv` as the stage's script would (flags, types, choices, bounds); ValueError on the first problem."""
     p = _Raising(prog=cls.__name__, allow_abbrev=False)
     add_dataclass_args(p, cls)
-    parse_config(cls, p, argv)
+    parse_config(cls, p, argv, here=False)

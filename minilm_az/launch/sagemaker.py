@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from minilm_az import config as C
 from minilm_az.config import CONTAINER_CHECKPOINTS as CHECKPOINT_LOCAL_PATH
-from minilm_az.config import CONTAINER_INPUT
+from minilm_az.config import CONTAINER_INPUT, CONTAINER_TENSORBOARD
 from minilm_az.launch import flags
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -553,6 +553,7 @@ class JobPlan:
     max_run_s: int
     max_wait_s: int | None
     checkpoint_uri: str | None
+    tensorboard_uri: str | None  # where SageMaker syncs the script's --tensorboard event files
     output_path: str
     code_location: str
     volume_size: int
@@ -603,6 +604,7 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     job_name = args.job_name or _timestamped(base)
     root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")
     checkpoint_uri = args.checkpoint_s3 or (f"{root}/checkpoints/{job_name}/" if stage.checkpoints else None)
+    tensorboard = str(hps.get("tensorboard", "false")).lower() == "true"  # the script flag, passed through
     max_run_s = int(args.max_run_hours * 3600)
     max_wait_s = None
     if args.spot:
@@ -623,6 +625,7 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
         max_run_s=max_run_s,
         max_wait_s=max_wait_s,
         checkpoint_uri=checkpoint_uri,
+        tensorboard_uri=f"{root}/tensorboard/{job_name}/" if tensorboard else None,
         output_path=f"{root}/output",
         code_location=f"{root}/code",
         volume_size=args.volume_size,
@@ -674,6 +677,10 @@ def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Pat
         kwargs.update(use_spot_instances=True, max_wait=plan.max_wait_s)
     if plan.checkpoint_uri:
         kwargs.update(checkpoint_s3_uri=plan.checkpoint_uri, checkpoint_local_path=CHECKPOINT_LOCAL_PATH)
+    if plan.tensorboard_uri:
+        from sagemaker.debugger import TensorBoardOutputConfig
+
+        kwargs["tensorboard_output_config"] = TensorBoardOutputConfig(plan.tensorboard_uri, CONTAINER_TENSORBOARD)
     return PyTorch(
         entry_point=plan.entry_point,
         source_dir=str(source_dir),
@@ -718,6 +725,7 @@ def build_model_trainer(plan: JobPlan, session: Any, source_dir: str | Path):
         OutputDataConfig,
         SourceCode,
         StoppingCondition,
+        TensorBoardOutputConfig,
     )
     from sagemaker.train.distributed import Torchrun
     from sagemaker.train.model_trainer import ModelTrainer
@@ -760,6 +768,10 @@ def build_model_trainer(plan: JobPlan, session: Any, source_dir: str | Path):
     if plan.metric_definitions:
         metrics = [MetricDefinition(name=m["Name"], regex=m["Regex"]) for m in plan.metric_definitions]
         trainer.with_metric_definitions(metrics)
+    if plan.tensorboard_uri:
+        trainer.with_tensorboard_output_config(
+            TensorBoardOutputConfig(s3_output_path=plan.tensorboard_uri, local_path=CONTAINER_TENSORBOARD)
+        )
     return trainer
 
 
@@ -1021,6 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  model to:    {plan.model_uri}", file=sys.stderr)
     if plan.checkpoint_uri:
         print(f"  checkpoints: {plan.checkpoint_uri}  (pass --checkpoint-s3 with this to resume)", file=sys.stderr)
+    if plan.tensorboard_uri:
+        print(f"  tensorboard: {plan.tensorboard_uri}  (tensorboard --logdir {plan.tensorboard_uri})", file=sys.stderr)
     if not args.dry_run:
         print(
             f"  console:     https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
