@@ -992,6 +992,7 @@ def replay_job(
     triggers: Sequence[Trigger] = (),
     checkpoints: S3Prefix | None = None,
     readonly: dict[int, Sequence[str]] | None = None,
+    emptied: dict[int, Sequence[str]] | None = None,
 ) -> JobRun:
     """Replay `launched.request` on `hosts` instances at once (the request's InstanceCount), each as SageMaker
     gives it: its own mount, UTS and PID namespaces, its own /opt/ml under WORKDIR/algo-K (channels downloaded
@@ -1005,7 +1006,9 @@ def replay_job(
     returns with `timed_out` (a hang is a result, not an exception). `checkpoints` is the simulated S3 prefix
     of CheckpointConfig: each host's LocalPath is restored from it before the hosts start, and each host's
     agent (HostSync) is in `JobRun.sync` and `LiveJob.sync(k)`; uploads happen only when a test asks.
-    `readonly` maps a host number to paths under /opt/ml mounted read-only on that host (e.g. "checkpoints").
+    `readonly` maps a host number to paths under /opt/ml mounted read-only on that host (e.g. "checkpoints");
+    `emptied`, to paths under /opt/ml left empty there (e.g. "input/data/tokenizer": a channel that gave that
+    host no files, as ShardedByS3Key does when a prefix has fewer objects than the job has hosts).
     """
     request = launched.request if hasattr(launched, "request") else launched
     if hosts < 1:
@@ -1016,8 +1019,11 @@ def replay_job(
     if checkpoints is not None and not ckpt:
         raise HarnessError("checkpoints= needs a request with a CheckpointConfig (launch with --checkpoint-s3/--spot)")
     syncs = []
-    for name in names:
+    for k, name in enumerate(names, 1):
         root = prepare(session, request, workdir / name, host=name, hosts=names)
+        for rel in (emptied or {}).get(k, ()):
+            shutil.rmtree(root / rel)
+            (root / rel).mkdir()
         if checkpoints is not None:
             sync = checkpoints.host(name, root / _under_opt_ml(ckpt))
             sync.restore()

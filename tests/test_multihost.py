@@ -297,16 +297,19 @@ def _assert_same_model(got: Path, want: Path, steps: list[int]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sdk", "nproc"),
-    [("v2", 1), ("v2", 2), pytest.param("v3", 1, marks=pytest.mark.sdk3)],
-    ids=["v2-2x1", "v2-2x2", "v3-2x1"],
+    ("sdk", "nproc", "replicate"),
+    [("v2", 1, 2), ("v2", 2, 2), ("v2", 2, 1), pytest.param("v3", 1, 2, marks=pytest.mark.sdk3)],
+    ids=["v2-2x1-hsdp", "v2-2x2-hsdp", "v2-2x2-fsdp", "v3-2x1-hsdp"],
 )
 def test_two_hosts_train_phase2_as_one_process_does(
-    sdk, nproc, aws, tmp_path, one_process, container_shards_dir, small_tokenizer_dir
+    sdk, nproc, replicate, aws, tmp_path, one_process, container_shards_dir, small_tokenizer_dir
 ):
+    """The launcher makes a job of two instances HSDP (--replicate 2, one model copy a host); --replicate 1 shards
+    over all the ranks of both hosts (FSDP). Either way, the same model as one process."""
     inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
+    argv = TRAIN if replicate == 2 else [*TRAIN, "--replicate", "1"]
     run = smc.replay(
-        aws, launch(aws, TRAIN, hosts=2, inputs=inputs, sdk=sdk), workdir=tmp_path / "job", hosts=2, nproc=nproc
+        aws, launch(aws, argv, hosts=2, inputs=inputs, sdk=sdk), workdir=tmp_path / "job", hosts=2, nproc=nproc
     )
     assert run.returncode == 0 and not run.timed_out, run.explain()
     for k in (1, 2):
@@ -314,6 +317,7 @@ def test_two_hosts_train_phase2_as_one_process_does(
         assert run.host(k).command[: len(line)] == line, run.host(k).command
     first = run.host(1)
     assert f"world={2 * nproc} " in first.program_output(), first.explain()
+    assert f"--replicate {replicate} " in " ".join(first.command or []), first.command
     assert {"config.json", "model.safetensors", "metrics.jsonl"} <= set(first.model_files()), first.explain()
     assert run.host(2).model_files() == []  # global rank 0 alone exports, to algo-1's /opt/ml/model
     _assert_same_model(first.model_dir, one_process, [1, 2, 3, 4])
@@ -422,24 +426,26 @@ def test_a_frozen_host_2_ends_the_job_on_host_1_after_the_collective_timeout_wit
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("problem", "named"),
+    [
+        (dict(readonly={2: ["checkpoints"]}), "--checkpoint-dir"),  # refuses writes (EROFS), even root's
+        (dict(emptied={2: ["input/data/tokenizer"]}), "no tokenizer.json in /opt/ml/input/data/tokenizer"),
+    ],
+    ids=["readonly-checkpoints", "empty-channel"],
+)
 def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
-    aws, tmp_path, container_shards_dir, small_tokenizer_dir
+    aws, tmp_path, container_shards_dir, small_tokenizer_dir, problem, named
 ):
-    run = _train_on_two_hosts(
-        aws,
-        tmp_path,
-        TRAIN,
-        container_shards_dir,
-        small_tokenizer_dir,
-        readonly={2: ["checkpoints"]},  # host 2's checkpoint dir refuses writes (EROFS), even root's
-    )
+    """Host 2 alone has a problem: its checkpoint dir refuses writes, or a channel gave it no files."""
+    run = _train_on_two_hosts(aws, tmp_path, TRAIN, container_shards_dir, small_tokenizer_dir, **problem)
     assert not run.timed_out and run.seconds < 300, run.explain()
     # Both hosts say why, in one line naming the failing rank and host, and exit 2 (train.py's usage error).
     want = "train.py: error: rank 1 on algo-2: "
     for k in (1, 2):
         host = run.host(k)
         errors = [line for line in host.log.splitlines() if "train.py: error:" in line]
-        assert len(errors) == 1 and errors[0].startswith(want) and "--checkpoint-dir" in errors[0], host.explain()
+        assert len(errors) == 1 and errors[0].startswith(want) and named in errors[0], host.explain()
         assert re.search(r"exitcode\s*:\s*2 ", host.log), host.explain()
         assert "Connection closed by peer" not in host.log and "[rank0]: Traceback" not in host.log, host.explain()
         # The job's FailureReason is that line. The toolkit writes /opt/ml/output/failure only when it is not there;
