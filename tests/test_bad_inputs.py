@@ -554,9 +554,9 @@ ROWS = [
     Row("launcher_bad_region_dry_run", f"{LAUNCH} --region nowhere-1 --dry-run", fragment="--region", launcher=True),
     Row("launcher_bad_region", f"{LAUNCH} --region nowhere-1", fragment="--region", launcher=True),
     Row(
-        "launcher_finetune_checkpoint_s3",
-        "python -m minilm_az.launch.sagemaker finetune --data s3://b/chat/ --model s3://b/phase2/ "
-        "--checkpoint-s3 s3://b/ckpt/ --dry-run",
+        "launcher_tokenize_checkpoint_s3",  # tokenize writes no checkpoints (train and finetune resume from theirs)
+        "python -m minilm_az.launch.sagemaker tokenize encode --corpus s3://my-corpus/text/ "
+        "--tokenizer s3://my-corpus/tok/ --checkpoint-s3 s3://my-corpus/ckpt/ --dry-run",
         fragment="--checkpoint-s3",
         launcher=True,
     ),
