@@ -1,6 +1,8 @@
 # The README's two commands: `make demo` (the whole pipeline on CPU, then runs/demo/report.md) and `make test`.
-# Each makes .venv on first use (the pinned CPU torch, then the project with its dev extra) and reuses it after.
-# Where plain pip would pick a CUDA build of torch, point TORCH_INDEX at the PyTorch CPU wheel index.
+# Each makes .venv on first use (the pinned torch, then the project with its dev extra) and reuses it after.
+# On Linux, plain pip takes torch's CUDA build (several GB with its libraries). For the CPU-only build (~200 MB),
+# point TORCH_INDEX at the PyTorch CPU wheel index: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (PyPI's macOS and Windows wheels are CPU builds already).
 # With PYTHON=python (any interpreter that already has the dev extra) nothing is installed.
 VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
@@ -13,10 +15,29 @@ SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/.installed)
 
 setup: $(SETUP)
 
+# One install step: a line that says what it does and about how long it takes, then a line every 20 s while it
+# runs, so the first `make demo` is never silent for minutes (pip's -q keeps its own output short). The estimates
+# were measured twice on 2 loaded CPU cores: the venv 12 s, torch 93 s and 37 s from a wheel already on disk, the
+# dev extra 254 s and 175 s with every package downloaded; a slow connection adds to the downloads. The sleep
+# writes nowhere, so a pipe reading make's output closes when make ends, not when the last sleep does.
+# $(call step,N/3,what and how long,command)
+define step
+	@echo "setup $(1): $(2)"
+	@t0=$$(date +%s); (while sleep 20 >/dev/null 2>&1; do echo "    ... $$(($$(date +%s) - t0)) s"; done) & \
+	beat=$$!; $(3); rc=$$?; kill $$beat 2>/dev/null; [ $$rc = 0 ] && said=done || said="failed (exit $$rc)"; \
+	echo "    $$said after $$(($$(date +%s) - t0)) s"; exit $$rc
+endef
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_FROM = $(if $(TORCH_INDEX),from $(TORCH_INDEX),from PyPI: on Linux the CUDA build (several GB); for the CPU \
+	build (~200 MB) run make with TORCH_INDEX=$(CPU_TORCH_INDEX))
+
 $(VENV)/.installed: setup.cfg pyproject.toml
-	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	@echo "setup: installing into $(VENV): ~4-6 min on 2 cores plus the downloads; later runs reuse it"
+	$(call step,1/3,python3 -m venv $(VENV) (~10 s),python3 -m venv $(VENV))
+	$(call step,2/3,pip install $(TORCH) (~1 min plus the download) $(TORCH_FROM),\
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
+	$(call step,3/3,pip install -e '.[dev]': the project and ~140 packages for tests and the demo (3-4 min),\
+	$(VENV)/bin/python -m pip install -q -e ".[dev]")
 	touch $@
 
 # Durations measured with `time make demo` / `time make demo-quick` on 2 CPU cores (demo/run.py's --help says the same).

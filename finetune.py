@@ -5,10 +5,9 @@
     torchrun --nproc_per_node 8 finetune.py --model runs/phase2 --data data/chat --lora-r 64   # FSDP2
     python finetune.py --model runs/phase2 --adapter runs/sft --chat          # talk to the result
 
-Reads top to bottom: flags, data (every conversation rendered to ids + assistant-only labels), the model
-(meta -> LoRA -> FSDP2 when sharded -> materialise -> base weights -> adapter init), one step, the loop (global batch
-by gradient accumulation, masked-token-mean loss, eval, log), then the PEFT adapter and, with --merge, a
-merged HF model in OUT/merged. `--chat` / `--prompt` try a model instead of training.
+Reads top to bottom: flags, data (each conversation to ids + assistant-only labels), the model (meta -> LoRA -> FSDP2
+-> materialise -> base weights -> adapter init), one step, the loop (accumulation, masked-token-mean loss, eval, log,
+checkpoints), then the PEFT adapter and, with --merge, OUT/merged. `--chat` / `--prompt` try a model instead.
 """
 
 from __future__ import annotations
@@ -174,9 +173,10 @@ def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
     tok, mcfg = load_tokenizer(cfg.tokenizer), read_config(cfg.model)
     if tok.get_vocab_size() > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} only {mcfg.vocab_size} rows")
-    log.log("config", **dataclasses.asdict(cfg))
     max_len = min(cfg.max_seq_len, mcfg.max_seq_len)
-    return tok, max_len, *load_data(cfg, tok, max_len, log)
+    data = load_data(cfg, tok, max_len, log)
+    log.log("config", **dataclasses.asdict(cfg))  # after the data is read: a run refused there leaves no file
+    return tok, max_len, *data
 
 
 def run_identity(cfg: FinetuneConfig) -> tuple[dict, dict]:

@@ -34,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -177,7 +178,15 @@ class Runner:
         "corpus",
         "------",
         "all",
+        # Progress of a long evaluation: train.py prints one every 30 s, so the base stage's evals, a minute or
+        # more each on 2 cores with the baseline's 128k-row head, show on the console as they go.
+        "eval_progress",
+        "resume",
     )
+    # When a stage has put nothing on the console for this long, the runner prints a line of its own: how long
+    # the stage has run, and the last line of its log if that was not shown. So a line appears at least every
+    # 30 s even while a script is silent (starting torchrun, building a model, a slow first step).
+    QUIET_S = 20.0
 
     def __init__(self, run: str, verbose: bool):
         self.run, self.verbose = run, verbose
@@ -185,14 +194,35 @@ class Runner:
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the root provides minilm_az
         self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         self.t0 = time.time()
+        self.lock = threading.Lock()  # the stage's reader and the quiet-time watcher both print
+        self.last_print = time.monotonic()
+
+    def show(self, line: str) -> None:
+        with self.lock:
+            print(line, flush=True)
+            self.last_print = time.monotonic()
+
+    def watch(self, name: str, started: float, last_line: list[str], done: threading.Event) -> None:
+        """Until `done`: after QUIET_S seconds without a console line, say that `name` still runs, with the
+        newest log line the console has not shown (`last_line[0]`, "" once shown)."""
+        while not done.wait(1.0):
+            if time.monotonic() - self.last_print < self.QUIET_S:
+                continue
+            tail = last_line[0].strip()
+            tail = f"; log: {tail[:150]}{'…' if len(tail) > 150 else ''}" if tail else ""
+            self.show(f"    ... {name} running for {time.time() - started:.0f} s{tail}")
+            last_line[0] = ""
 
     def __call__(self, name: str, title: str, cmd: list[str], stdout_only: bool = False) -> str:
         """Run `cmd` from the repository root; returns what it printed (stdout only if `stdout_only`)."""
         n = len(self.stages) + 1
-        print(f"[{n}] {name}: {title}", flush=True)
+        self.show(f"[{n}] {name}: {title}")
         log_path = os.path.join(self.run, "logs", f"{n:02d}_{name}.log")
         t = time.time()
         out_lines = []
+        last_line = [""]  # the newest log line the console has not shown, for the watcher
+        done = threading.Event()
+        watcher = threading.Thread(target=self.watch, args=(name, t, last_line, done), daemon=True)
         with open(log_path, "w", encoding="utf-8") as log:
             log.write("$ " + shell_line(cmd) + "\n")
             log.flush()
@@ -207,12 +237,20 @@ class Runner:
                 errors="replace",
                 bufsize=1,
             )
-            for line in p.stdout:
-                log.write(line)
-                out_lines.append(line)
-                if self.verbose or line.split(" ", 1)[0] in self.SHOWN:
-                    print("    " + line.rstrip(), flush=True)
-            rc = p.wait()
+            watcher.start()
+            try:
+                for line in p.stdout:
+                    log.write(line)
+                    out_lines.append(line)
+                    if self.verbose or line.split(" ", 1)[0] in self.SHOWN:
+                        self.show("    " + line.rstrip())
+                        last_line[0] = ""
+                    elif line.strip():
+                        last_line[0] = line
+                rc = p.wait()
+            finally:
+                done.set()
+                watcher.join()
         dt = time.time() - t
         if rc != 0:
             with open(log_path, encoding="utf-8", errors="replace") as log:
@@ -228,7 +266,7 @@ class Runner:
                 "log": os.path.relpath(log_path, self.run),
             }
         )
-        print(f"    done in {dt:.0f} s (total {time.time() - self.t0:.0f} s)", flush=True)
+        self.show(f"    done in {dt:.0f} s (total {time.time() - self.t0:.0f} s)")
         return "".join(out_lines)
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from collections import Counter
 
 import numpy as np
@@ -203,6 +204,23 @@ def test_a_rerun_replaces_a_demo_dir_but_not_anything_else(tmp_path):
     demo.prepare_run_dir(str(old))
     assert sorted(os.listdir(old)) == ["logs"]
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_a_silent_stage_still_puts_a_line_on_the_console_and_eval_progress_is_shown(tmp_path, capsys, monkeypatch):
+    # A stage that prints nothing the console shows for a while (a long eval, a model being built) still gets a
+    # line from the runner, with the newest log line; eval_progress lines go to the console as they come.
+    monkeypatch.setattr(demo.Runner, "QUIET_S", 0.5)
+    (tmp_path / "logs").mkdir()
+    code = (
+        "import time; print('model params=1', flush=True); print('a line only the log shows', flush=True); "
+        "time.sleep(3); print('eval_progress step=0 done=1 total=2 eta=0:00:01', flush=True)"
+    )
+    demo.Runner(str(tmp_path), verbose=False)("quiet", "a stage that says little", [sys.executable, "-c", code])
+    out = capsys.readouterr().out
+    assert "    model params=1\n" in out
+    assert re.search(r"^    \.\.\. quiet running for \d+ s; log: a line only the log shows$", out, re.M), out
+    assert "    eval_progress step=0 done=1 total=2" in out
+    assert "a line only the log shows" in open(tmp_path / "logs" / "01_quiet.log", encoding="utf-8").read()
 
 
 def test_a_shell_line_quotes_spaces_and_shortens_repo_paths():

@@ -4,6 +4,7 @@
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -117,26 +118,69 @@ def test_the_reading_guide_states_true_line_counts_within_the_budget():
     assert total["read"] <= READING_BUDGET, f"the path reads {total['read']} lines, over {READING_BUDGET}"
 
 
+def clone_after_make_demo(where, demo_run: str):
+    """A directory laid out as the block expects in a clone after `make demo`: copies of the root scripts, the
+    engine and data/, `.venv` (this interpreter's environment, as `make` would have made it) and `runs/demo`
+    (a quick demo's outputs). The block then runs verbatim, and whatever it writes lands in this copy."""
+    for name in ("tokenize.py", "train.py", "finetune.py"):
+        shutil.copy2(os.path.join(ROOT, name), where / name)
+    for name in ("minilm_az", "data"):
+        shutil.copytree(os.path.join(ROOT, name), where / name, ignore=shutil.ignore_patterns("__pycache__"))
+    if sys.prefix != sys.base_prefix:  # a venv: link its root, so that its pyvenv.cfg is found beside bin/python
+        (where / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    else:  # an interpreter of its own (make's PYTHON=python): link it where the block looks for it
+        (where / ".venv" / "bin").mkdir(parents=True)
+        (where / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    (where / "runs").mkdir()
+    (where / "runs" / "demo").symlink_to(demo_run, target_is_directory=True)
+
+
+def fresh_shell_env(where, core_install: str) -> dict:
+    """The environment of a new terminal: no venv activated and none on PATH. A bare `python`, `python3`, `pip`
+    or `torchrun` is a stub that fails, so the block cannot lean on whatever the machine has installed."""
+    venv_bins = {os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin")}
+    stubs = where / "no-venv-bin"
+    stubs.mkdir()
+    for name in ("python", "python3", "pip", "torchrun"):
+        (stubs / name).write_text(
+            f"#!/bin/sh\necho 'the block called a bare {name}: not in a fresh shell' >&2\nexit 127\n"
+        )
+        (stubs / name).chmod(0o755)
+    path = [str(stubs)] + [d for d in os.environ["PATH"].split(os.pathsep) if d and d not in venv_bins]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "CONDA_PREFIX")}
+    # OMP_NUM_THREADS as the suite runs everything; PYTHONPATH makes the interpreter a core install (no prep
+    # extra), as the README says the block needs only the core.
+    return {**env, "PATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", "PYTHONPATH": core_install}
+
+
 @pytest.mark.slow
-def test_the_cpu_block_runs_as_written_on_a_demo_run_with_a_core_install(quick_demo, tmp_path, core_install):
-    # The block names runs/demo (what `make demo` leaves) and writes runs/try: here a quick demo and a tmp dir.
-    script = cpu_block().replace("runs/demo/", quick_demo + "/").replace("runs/try/", str(tmp_path) + "/")
-    assert "runs/" not in script
-    path = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]  # `python`: this interpreter (a venv's)
-    r = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, "PYTHONPATH": core_install},  # no prep extra
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "fertility" in r.stdout or "tokens_per_word" in r.stdout
-    assert re.search(r"^eval step=0 val_loss=\S+ val_bpb=\S+", r.stdout, re.M)  # --eval-only's line
-    assert os.path.isfile(tmp_path / "phase2" / "model.safetensors")
-    assert os.path.isfile(tmp_path / "sft" / "adapter_model.safetensors")
-    assert r.stdout.strip().splitlines()[-1].strip()  # --prompt printed a reply
+def test_the_cpu_block_runs_as_written_twice_in_a_fresh_shell_with_a_core_install(quick_demo, tmp_path, core_install):
+    # The block as a user pastes it into a new terminal in a clone, after `make demo`, and then once more: the
+    # second run must work too (the block overwrites its shards and retrains instead of stopping at what the
+    # first run left). It runs in a copy of the checkout, so nothing it writes can land in the real one.
+    script = cpu_block()
+    assert re.search(r"(^|[\s;&|(])(python3?|pip|torchrun) ", script) is None, "the block calls a bare interpreter"
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    clone_after_make_demo(clone, quick_demo)
+    before = sorted(os.listdir(clone))
+    env = fresh_shell_env(tmp_path, core_install)
+    for attempt in ("first", "second"):
+        r = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], cwd=clone, capture_output=True, text=True, timeout=900, env=env
+        )
+        where = f"the {attempt} run of the block"
+        assert r.returncode == 0, f"{where} failed:\n" + r.stdout[-3000:] + r.stderr[-3000:]
+        assert "fertility" in r.stdout or "tokens_per_word" in r.stdout, where
+        assert re.search(r"^train step=5 ", r.stdout, re.M), f"{where}: phase 1 did not train its 5 steps"
+        assert re.search(r"^eval step=0 val_loss=\S+ val_bpb=\S+", r.stdout, re.M), where  # --eval-only's line
+        assert os.path.isfile(clone / "runs" / "try" / "phase2" / "model.safetensors"), where
+        assert os.path.isfile(clone / "runs" / "try" / "sft" / "adapter_model.safetensors"), where
+        assert r.stdout.strip().splitlines()[-1].strip(), f"{where}: --prompt printed no reply"
+    # Everything the block wrote is under runs/try: nothing in the copy's root and nothing in runs/ beside it
+    # (__pycache__ aside: importing tokenize.py as the `tokenize` module caches it, as in any checkout).
+    assert sorted(set(os.listdir(clone)) - {"__pycache__"}) == before
+    assert sorted(os.listdir(clone / "runs")) == ["demo", "try"]
 
 
 def test_the_demo_durations_are_one_set_in_readme_makefile_and_help():
