@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             try_model(cfg)
             return 0
         proc = parallel.setup(cfg.device)
-        tensorboard = tensorboard_dir(cfg.out) if cfg.tensorboard else None
+        tensorboard = tensorboard_dir(cfg.tensorboard, cfg.out)
         log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main, tensorboard=tensorboard)
         try:
             train(cfg, proc, log)

@@ -82,7 +82,8 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
 
 def need_dir(path: str | None, flag: str, what: str) -> str:
     if not path or not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: no such directory ({what})" if path else f"{flag} is required ({what})")
+        found = "a file, where a directory belongs" if path and os.path.isfile(path) else "no such directory"
+        raise UsageError(f"{flag} {path}: {found} ({what})" if path else f"{flag} is required ({what})")
     return path
 
 
@@ -281,8 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = parallel.agree(lambda: resolve(flags, proc.world_size), proc)
         # Files appear at the first record, after the input checks; --eval-only writes one only where --out says.
         jsonl = None if flags.eval_only and not flags.out else os.path.join(plan.out, "metrics.jsonl")
-        tensorboard = tensorboard_dir(plan.out) if flags.tensorboard else None
-        log = MetricLogger(jsonl, enabled=proc.is_main, tensorboard=tensorboard)
+        log = MetricLogger(jsonl, enabled=proc.is_main, tensorboard=tensorboard_dir(flags.tensorboard, plan.out))
         try:
             eval_only(plan, proc, log) if plan.flags.eval_only else train(plan, proc, log)
             parallel.finish()

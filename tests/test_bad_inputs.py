@@ -377,6 +377,19 @@ ROWS = [
         fragment="--lr",
         absent=("{W}/out/adapter_model.safetensors",),
     ),
+    Row(  # a file that exists, where a shard directory belongs: said as such (not "no such directory")
+        "train_data_is_a_file",
+        f"python train.py --phase 2 --tokenizer {{T}} --data {KDE} {SMALL} --out {{W}}/out",
+        fragment=f"--data {KDE}: a file, where a directory belongs (token shards, from tokenize.py encode)",
+        absent=("{W}/out",),
+        fast=True,
+    ),
+    Row(  # plain text where chat JSONL belongs: the line names the layout a line must have
+        "finetune_text_for_chat_jsonl",
+        f"python finetune.py --model {{M}} --data {KDE} {SMALL_FT} --out {{W}}/out",
+        fragment="; chat JSONL has one ",
+        absent=("{W}/out",),
+    ),
     Row(
         "train_global_batch_0",
         f"{TR} --global-batch 0 --out {{W}}/out",

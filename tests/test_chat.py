@@ -7,7 +7,7 @@ import pytest
 
 from minilm_az.chat import ChatFormatError, NothingToTrain, encode_chat, encode_prompt, validate_messages
 from minilm_az.model import IGNORE
-from minilm_az.prep.chat_data import read_chat_jsonl
+from minilm_az.prep.chat_data import LAYOUT, read_chat_jsonl
 from minilm_az.tokenizer import EOT, encode_plain, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,9 @@ def test_bad_jsonl_lines_name_file_and_line_or_are_skipped(tmp_path):
     convs, skipped = read_chat_jsonl(str(p), on_bad_line="skip")
     assert len(convs) == 3 and len(skipped) == 2
     assert (
-        skipped[0].endswith("d.jsonl:2: malformed JSON (Expecting property name enclosed in double quotes at column 2)")
+        skipped[0].endswith(
+            "d.jsonl:2: malformed JSON (Expecting property name enclosed in double quotes at column 2); " + LAYOUT
+        )
         and "d.jsonl:4: conversation has no assistant turn" in skipped[1]
     )
     with pytest.raises(FileNotFoundError, match="chat data not found"):

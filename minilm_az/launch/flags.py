@@ -23,9 +23,11 @@ def in_sagemaker() -> bool:
     return "SM_MODEL_DIR" in os.environ or "SM_TRAINING_ENV" in os.environ
 
 
-def tensorboard_dir(out: str) -> str:
-    """Where --tensorboard writes event files: OUT/tensorboard, or in a SageMaker job the dir its
+def tensorboard_dir(on: bool, out: str) -> str | None:
+    """Where --tensorboard writes event files (None: it is off): OUT/tensorboard, or in a SageMaker job the dir its
     TensorBoardOutputConfig syncs to S3 (the launcher's --tensorboard sets one up)."""
+    if not on:
+        return None
     return CONTAINER_TENSORBOARD if in_sagemaker() else os.path.join(out, "tensorboard")
 
 

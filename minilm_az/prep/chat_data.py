@@ -13,6 +13,9 @@ import re
 
 from minilm_az.chat import ChatFormatError, NothingToTrain, encode_chat, validate_messages
 
+# What a user who gave another kind of file needs to see once: the layout a line must have.
+LAYOUT = 'chat JSONL has one {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]} a line'
+
 
 def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dict]], list[str]]:
     """Conversations of a chat JSONL file, and the problems of the lines skipped (`on_bad_line="skip"`).
@@ -39,9 +42,9 @@ def read_chat_jsonl(path: str, on_bad_line: str = "fail") -> tuple[list[list[dic
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ChatFormatError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+                    raise ChatFormatError(f"malformed JSON ({e.msg} at column {e.colno}); {LAYOUT}") from None
                 if not isinstance(obj, dict) or "messages" not in obj:
-                    raise ChatFormatError('expected an object with a "messages" list')
+                    raise ChatFormatError(f'expected an object with a "messages" list; {LAYOUT}')
                 convs.append(validate_messages(obj["messages"]))
             except ChatFormatError as e:
                 msg = f"{path}:{lineno}: {e}"
