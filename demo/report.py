@@ -617,11 +617,14 @@ def section_samples(r: Run) -> list[str]:
         "",
         "From the phase 2 model with the adapter (`finetune.py --adapter ... --prompt`). A model of a few million "
         "parameters trained for minutes on half a megabyte does not answer questions: these show the pipeline end "
-        "to end (chat template, adapter, sampling), not fluency.",
+        "to end (chat template, adapter, sampling), not fluency. Its replies can look alike for different prompts: "
+        "it puts most of its probability on the corpus's most frequent tokens whatever it is asked "
+        "(tests/test_finetune.py checks that two prompts do give different next-token distributions).",
         "",
     ]
     for s in r.samples:
-        out += [f"**user:** {s['prompt']}", "", "**assistant:** " + (s["reply"] or "*(empty)*"), ""]
+        seed = f" (seed {s['seed']})" if "seed" in s else ""
+        out += [f"**user:** {s['prompt']}", "", f"**assistant{seed}:** " + (s["reply"] or "*(empty)*"), ""]
     return out
 
 

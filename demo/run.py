@@ -420,20 +420,22 @@ def finetune_stage(cfg: DemoConfig, run: str) -> tuple:
 
 
 def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
-    """One reply per prompt from the phase 2 model with the adapter (given explicitly: --adapter)."""
+    """One reply per prompt from the phase 2 model with the adapter (given explicitly: --adapter), each prompt with a
+    seed of its own, so that two replies alike are the model's doing and not one sampling stream replayed."""
     samples = []
     for i, prompt in enumerate(cfg.prompts):
+        seed = cfg.seed + i
         cmd = py(
             "finetune.py",
             model=os.path.join(run, "phase2"),
             adapter=os.path.join(run, "finetune"),
             prompt=prompt,
             max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed,
+            seed=seed,
             device="cpu",
         )
         reply = R(f"sample{i + 1}", f"reply to: {prompt}", cmd, stdout_only=True)
-        samples.append({"prompt": prompt, "reply": reply.strip()})
+        samples.append({"prompt": prompt, "reply": reply.strip(), "seed": seed})
         print(f"    > {samples[-1]['reply'][:200]}", flush=True)
     with open(os.path.join(run, "samples.jsonl"), "w", encoding="utf-8") as f:
         for s in samples:

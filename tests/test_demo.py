@@ -168,6 +168,9 @@ def test_finetune_leaves_an_adapter_and_replies(run):
     samples = read_jsonl(os.path.join(run, "samples.jsonl"))
     assert [s["prompt"] for s in samples] == list(demo.QUICK.prompts)
     assert all(s["reply"] and not s["reply"].startswith("#") for s in samples)  # stdout only, no stderr banner
+    assert [s["seed"] for s in samples] == [demo.QUICK.seed + i for i in range(len(samples))]  # a seed per prompt
+    report = read(os.path.join(run, "report.md"))
+    assert f"**assistant (seed {demo.QUICK.seed}):**" in report and "replies can look alike" in report
     assert f"LoRA r={demo.QUICK.ft_r}, alpha={float(demo.QUICK.ft_alpha)} on q_proj" in read(
         os.path.join(run, "report.md")
     )

@@ -270,3 +270,25 @@ def test_a_killed_finetune_resumes_to_the_same_adapter(base, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
     wa, wb = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (whole, out))
     assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+def test_two_prompts_reach_the_model_as_different_next_token_distributions(base, run1, monkeypatch, capsys):
+    """`--prompt`'s own path (try_model: the adapter loaded, the chat template, generation): the first forward of two
+    different prompts gives two different next-token distributions. A tiny model's replies can still look alike
+    (it puts its mass on the corpus's most frequent tokens), but not because the prompt was lost on the way."""
+    from minilm_az import generate as gen
+
+    real, seen = gen.generate_ids, []
+
+    def spy(model, prompt, *args, **kwargs):
+        with torch.no_grad():
+            seen.append((prompt, torch.softmax(model(torch.tensor([prompt]))[0, -1].float(), -1)))
+        return real(model, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "generate_ids", spy)
+    for prompt in ("Salam! Necəsən?", "Bakı haqqında nə bilirsən?"):
+        argv = ["--model", base, "--adapter", run1, "--prompt", prompt, "--max-new-tokens", "3", "--device", "cpu"]
+        assert finetune.main(argv) == 0
+    (ids_a, p), (ids_b, q) = seen
+    assert ids_a != ids_b and ids_a[-4:] == ids_b[-4:]  # the same template around different user text
+    assert 0.5 * (p - q).abs().sum().item() > 1e-3, "the two prompts gave the same next-token distribution"
