@@ -173,9 +173,7 @@ def step_dirs(ckpt_dir: str) -> list[str]:
 
 def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None:
     # RNG of this rank, and (rank 0) the run's state: both of the moment the model state is snapshotted.
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
     save_file(rng, os.path.join(tmp, f"rng-{rank:05d}.safetensors"))
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -21,10 +21,8 @@ from typing import Any, TextIO
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, int):
-        return str(v)
+    if isinstance(v, bool | int):
+        return str(v).lower()  # true/false
     if isinstance(v, float):
         if not math.isfinite(v):
             return str(v)
@@ -115,11 +113,15 @@ def print_error(prog: str, error: BaseException | str) -> None:
     Each host has a log of its own on SageMaker, so every host says why the job stopped. There the line is also the
     job's failure reason: the containers write none when one is there, and theirs would not hold it (only a fixed text).
     """
+    line = f"{prog}: error: {error}"
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary, the log's last lines, shows it
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
     if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(line, file=sys.stderr)
         if out := os.environ.get("SM_OUTPUT_DIR"):  # SageMaker's /opt/ml/output; the first line written stays
             with contextlib.suppress(OSError), open(os.path.join(out, "failure"), "x", encoding="utf-8") as f:
-                f.write(f"{prog}: error: {error}\n")
+                f.write(line + "\n")
 
 
 class MetricLogger:

@@ -65,3 +65,22 @@ def test_errors_print_once_per_host_on_its_local_rank_0(local_rank, printed):
     env = {**os.environ, "RANK": "9", "LOCAL_RANK": local_rank}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.stderr == ("train.py: error: rank 9 on algo-2: x\n" if printed else ""), r.stderr
+
+
+def test_under_torchrun_the_reason_is_in_its_summary_at_the_end_of_the_log(tmp_path):
+    """torchrun ends a failed run with its own summary; each failing rank's error file puts our one line there, in
+    place of "To enable traceback see: ...", so the reason is what a user reads last."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train.py"]
+        + ["--data", str(tmp_path / "none"), "--tokenizer", str(tmp_path / "none"), "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    line = f"train.py: error: --tokenizer {tmp_path / 'none'}: no such directory"
+    assert r.returncode != 0 and r.stderr.count(line) >= 1, r.stderr[-3000:]
+    tail = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()][-3:]
+    assert tail[0].startswith("error_file:") and tail[1].startswith("traceback : " + line), tail
+    assert not (tmp_path / "out").exists()

@@ -444,7 +444,7 @@ def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
     want = "train.py: error: rank 1 on algo-2: "
     for k in (1, 2):
         host = run.host(k)
-        errors = [line for line in host.log.splitlines() if "train.py: error:" in line]
+        errors = [line for line in host.log.splitlines() if line.startswith("train.py: error:")]
         assert len(errors) == 1 and errors[0].startswith(want) and named in errors[0], host.explain()
         assert re.search(r"exitcode\s*:\s*2 ", host.log), host.explain()
         assert "Connection closed by peer" not in host.log and "[rank0]: Traceback" not in host.log, host.explain()

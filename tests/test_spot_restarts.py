@@ -117,7 +117,7 @@ def test_kills_of_both_hosts_at_random_resume_from_the_newest_checkpoint_s3_hold
         if not never and dirs and not whole:  # nothing to resume: one line, exit 2, nothing deleted
             assert run.returncode == 2 and not any(h.killed for h in run.hosts), story
             for k in (1, 2):
-                errors = [ln for ln in run.host(k).log.splitlines() if "train.py: error:" in ln]
+                errors = [ln for ln in run.host(k).log.splitlines() if ln.startswith("train.py: error:")]
                 assert len(errors) == 1 and "no checkpoint can be resumed" in errors[0], story
             assert {k: prefix.digest(k) for k in prefix.keys()} == before, story
             seen["refused"] += 1
