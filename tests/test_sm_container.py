@@ -304,7 +304,7 @@ def test_train_phase2_under_torchrun_exports_and_checkpoints(
         aws,
         (
             "train --phase 2 --preset tiny --steps 4 --checkpoint-every 2 --seq-len 32 --micro-batch 2 "
-            "--global-batch 4 --eval-every 2 --log-every 1 --no-liger"
+            "--global-batch 4 --eval-every 2 --log-every 1 --no-liger --tensorboard"
         ).split(),
         tmp_path,
         inputs={"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir},
@@ -318,6 +318,8 @@ def test_train_phase2_under_torchrun_exports_and_checkpoints(
     from test_dcp_checkpoint import latest_checkpoint
 
     assert latest_checkpoint(str(run.checkpoint_dir / "phase2")), run.explain()  # every manifest there and matching
+    # --tensorboard: event files in the dir the job's TensorBoardOutputConfig uploads (test_sagemaker checks its path)
+    assert any(f.name.startswith("events.out.tfevents") for f in (run.output_dir / "tensorboard").iterdir())
     log = run.program_output()
     assert len(_metric_values(log, "train:loss")) == 4, run.explain()  # CloudWatch reads these off the log
     assert _metric_values(log, "eval:val_bpb"), run.explain()
