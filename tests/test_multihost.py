@@ -390,7 +390,10 @@ FROZEN_TIMEOUT_S = 20  # the job's collective timeout in the next test, through 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicate", [2, 1], ids=["hsdp", "fsdp"])
+# HSDP only in the suite (a minute each, and CI's budget is near): its mesh's groups were the ones left with torch's
+# 30-minute default; FSDP's one group is the world's, which test_every_process_group_... covers. Both ended in
+# 23-27 s with a 20 s timeout when measured (issue 28's note); `-k frozen` with [2, 1] here runs both.
+@pytest.mark.parametrize("replicate", [2], ids=["hsdp"])
 def test_a_frozen_host_2_ends_the_job_on_host_1_after_the_collective_timeout_with_one_line(
     replicate, aws, tmp_path, container_shards_dir, small_tokenizer_dir
 ):
