@@ -32,7 +32,7 @@ else:
     from minilm_az.launch.flags import HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
     from minilm_az.outputs import atomic_write_json, atomic_write_text, staged_output, written_by
-    from minilm_az.prep import clean, readers
+    from minilm_az.prep import clean, fertility, readers
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
 DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
@@ -159,13 +159,13 @@ def cmd_report(args) -> None:
     per_file = {}
     with progress_bar(files, "report", args.progress) as bar:
         for f in files:
-            per_file[f] = tk.fertility(toks, read([f], args, bar))
+            per_file[f] = fertility.fertility(toks, read([f], args, bar))
     rows = dict(per_file) if len(files) > 1 else {}
     rows["all"] = _combine(list(per_file.values()))
     for by_tok in rows.values():
         for name, r in by_tok.items():
             r["vocab_size"] = toks[name].get_vocab_size()
-    print(tk.format_fertility(rows))
+    print(fertility.format_fertility(rows))
     if "baseline" in toks:
         a = rows["all"]
         print(f"fertility ours/baseline: {a['ours']['tokens_per_word'] / a['baseline']['tokens_per_word']:.3f}")

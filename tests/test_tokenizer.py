@@ -10,6 +10,7 @@ import pytest
 
 from minilm_az import tokenizer as tk
 from minilm_az.prep import readers
+from minilm_az.prep.fertility import fertility, format_fertility
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = [os.path.join(ROOT, "data", "az", f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
@@ -277,11 +278,11 @@ def test_missing_path_unsupported_file_and_empty_directory(tmp_path):
 
 def test_fertility_counts_words_bytes_and_tokens_on_the_same_text(tok):
     texts = [line.rstrip("\n") for line in open(FIREFOX, encoding="utf-8")][:200]
-    r = tk.fertility({"a": tok, "b": tok}, texts, batch_docs=64)
+    r = fertility({"a": tok, "b": tok}, texts, batch_docs=64)
     assert r["a"] == r["b"]
     assert r["a"]["documents"] == 200
     assert r["a"]["words"] == sum(len(t.split()) for t in texts)
     assert r["a"]["bytes"] == sum(len(t.encode()) for t in texts)
     assert r["a"]["tokens"] == sum(map(len, tk.encode_plain(tok, texts)))
     assert r["a"]["tokens_per_word"] == pytest.approx(r["a"]["tokens"] / r["a"]["words"])
-    assert "tok/word" in tk.format_fertility({"firefox": r})
+    assert "tok/word" in format_fertility({"firefox": r})
