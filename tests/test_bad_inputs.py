@@ -580,6 +580,9 @@ ROWS = [
         launcher=True,
     ),
     Row("launcher_role_name", f"{LAUNCH} --region us-east-1 --role MyRole", fragment="--role", launcher=True),
+    # ---- issue 29: ownership of outputs, one lock per output dir, Ctrl-C (lead)
+    # ---- issue 29: shard, corpus and compressed inputs validated at the boundary (inputs)
+    # ---- issue 29: model dirs, adapters, dtypes, write errors (models)
 ]
 
 
