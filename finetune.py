@@ -189,19 +189,19 @@ def run_identity(cfg: FinetuneConfig) -> tuple[dict, dict]:
 
 def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> None:
     torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
-    # The inputs are checked on every host, and a problem on one host stops them all with its reason.
-    tok, max_len, examples, val = parallel.agree(lambda: load_inputs(cfg, log), proc)
+    tok, max_len, examples, val = parallel.agree(lambda: load_inputs(cfg, log), proc)  # one host's problem stops all
+    must, may = run_identity(cfg)  # then --out is this run's, and a second run into it is refused
+    locks, fresh = checkpoint.claim_run(cfg.out, cfg.checkpoint_dir, "finetune.py", cfg, must, proc, log)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, proc, log)
     params = lora.lora_parameters(model)
     fused = proc.device.type == "cuda" or None
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay, fused=fused)
-    must, may = run_identity(cfg)
     ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
     state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
     control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
-    start = ckpt.resume(model, opt, must, may, log.info, steps)[0] if cfg.resume == "auto" else 0
+    start = ckpt.start(model, opt, must, may, log.info, steps, fresh, cfg.overwrite)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     elif val:
@@ -290,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             log.close()
             parallel.teardown()
-    except (ValueError, FloatingPointError, OSError) as e:  # ChatFormatError, ModelDirError, AdapterError...
-        print_error("finetune.py", e)
-        return 2
+    except (ValueError, FloatingPointError, OSError, KeyboardInterrupt) as e:  # ChatFormatError, ..., Ctrl-C
+        print_error("finetune.py", str(e) or "interrupted")  # after Ctrl-C, RunControl's line says where it stopped
+        return 130 if isinstance(e, KeyboardInterrupt) else 2
     return 0
 
 

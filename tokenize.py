@@ -31,35 +31,12 @@ else:
     from minilm_az.config import TOKENIZE_CONFIGS
     from minilm_az.launch.flags import HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
-    from minilm_az.outputs import atomic_write_json, atomic_write_text, staged_output, written_by
+    from minilm_az.outputs import atomic_write_json, atomic_write_text, claim, inside, staged_output
     from minilm_az.prep import clean, fertility, readers
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
 DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
 DEMO_VAL = [os.path.join(DATA_DIR, "firefox.txt")]
-
-
-# --- output directories: refuse to clobber, never leave a half-written one -------------------------
-
-
-def check_out_dir(out: str, overwrite: bool, stage: str) -> None:
-    """Fail early (before hours of work) if `out` holds anything but a previous output of this stage.
-
-    `--overwrite` replaces only what this stage wrote (its record in the output marker, outputs.py), never
-    a directory holding other artifacts, such as a model that carries a copy of the tokenizer.
-    """
-    if not os.path.exists(out):
-        return
-    if not os.path.isdir(out):
-        raise FileExistsError(f"output path exists and is not a directory: {out}")
-    if not [e for e in os.listdir(out) if not e.startswith(".")]:
-        return
-    if not overwrite:
-        raise FileExistsError(f"output directory exists: {out} (pass --overwrite to replace it)")
-    if written_by(out, stage) is None:
-        raise FileExistsError(
-            f"refusing to overwrite {out}: it holds no output of `{stage}`, so it is not this stage's to replace"
-        )
 
 
 def progress_bar(files: list[str], desc: str, enabled: bool) -> tqdm:
@@ -76,7 +53,7 @@ def read(files: list[str], args, bar: tqdm | None = None):
 
 def cmd_clean(args) -> None:
     files = readers.corpus_files(args.corpus or DEMO_TRAIN + DEMO_VAL)
-    check_out_dir(args.out, args.overwrite, "tokenize clean")
+    lock, _ = claim(args.out, "tokenize clean", args.overwrite)  # held until the process ends
     rules = clean.Rules(**{f.name: getattr(args, f.name) for f in dataclasses.fields(clean.Rules)})
     t0 = time.time()
     with (
@@ -105,7 +82,7 @@ def cmd_clean(args) -> None:
 
 def cmd_train(args) -> None:
     files = readers.corpus_files(args.corpus or DEMO_TRAIN)
-    check_out_dir(args.out, args.overwrite, "tokenize train")
+    lock, _ = claim(args.out, "tokenize train", args.overwrite)  # held until the process ends
     t0 = time.time()
     with progress_bar(files, "read corpus", args.progress) as bar:
         tok = tk.train_tokenizer(
@@ -145,9 +122,8 @@ def _combine(parts: list[dict[str, dict]]) -> dict[str, dict]:
 def cmd_report(args) -> None:
     if args.json:  # checked before the work: the report must not replace a file the user had
         inputs = [args.tokenizer, args.baseline, *(args.corpus or [])]
-        target = os.path.realpath(args.json)
-        if any(p and target in (os.path.realpath(p), os.path.realpath(tk_json(p))) for p in inputs):
-            raise FileExistsError(f"--json {args.json} is one of the inputs")
+        if any(p and (inside(p, args.json) or inside(tk_json(p), args.json)) for p in inputs):
+            raise FileExistsError(f"--json {args.json} is one of the inputs, or inside one")
         if os.path.exists(args.json) and not args.overwrite:
             raise FileExistsError(f"--json {args.json} exists (pass --overwrite to replace it)")
     toks = {"ours": tk.load_tokenizer(args.tokenizer)}
@@ -193,7 +169,7 @@ def cmd_encode(args) -> None:
         corpus, val_corpus = DEMO_TRAIN, val_corpus or DEMO_VAL
     files = readers.corpus_files(corpus)
     val_files = readers.corpus_files(val_corpus) if val_corpus else None
-    check_out_dir(args.out, args.overwrite, "tokenize encode")
+    lock, _ = claim(args.out, "tokenize encode", args.overwrite)  # held until the process ends
     meta = {
         "created_by": "tokenize.py encode",
         "tokenizer": os.path.abspath(args.tokenizer),

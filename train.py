@@ -31,7 +31,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
-from minilm_az.outputs import check_writable, file_sha256
+from minilm_az.outputs import file_sha256
 from minilm_az.prep import readers
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
@@ -198,7 +198,6 @@ def load_inputs(plan: TrainPlan, proc: parallel.Process):
     tok = tk.load_tokenizer(need_dir(flags.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
     index = load_index(need_dir(flags.data, "--data", "token shards, from tokenize.py encode"))
     check_tokenizer(index, tk.tokenizer_hash(flags.tokenizer), tok.get_vocab_size(with_added_tokens=True))
-    check_writable(plan.checkpoint_dir, "--checkpoint-dir")
     train = TokenStream(flags.data, "train")
     stream = BatchStream(
         train, plan.seq_len, flags.global_batch, plan.micro_batch, proc.rank, proc.world_size, flags.seed
@@ -206,11 +205,12 @@ def load_inputs(plan: TrainPlan, proc: parallel.Process):
     return tok, stream, (eval_tokens(plan, tok), tk.token_byte_lengths(tok))
 
 
-def run_identity(plan: TrainPlan, model) -> tuple[dict, dict]:
-    """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
+def run_identity(plan: TrainPlan) -> tuple[dict, dict]:
+    """What makes a run this run (its --out and checkpoints are continued only with the same; they fix the model's
+    shape too), and what may change with a warning."""
     flags = plan.flags
     data, tokenizer = file_sha256(os.path.join(flags.data, "index.json")), tk.tokenizer_hash(flags.tokenizer)
-    must = dict(model=model.config.to_dict(), phase=flags.phase, data=data, tokenizer=tokenizer)
+    must = dict(phase=flags.phase, data=data, tokenizer=tokenizer, preset=None if flags.base_model else flags.preset)
     must["base_model"] = checkpoint.model_fingerprint(flags.base_model)
     return must, {"seed": flags.seed, "global_batch": flags.global_batch, "seq_len": plan.seq_len}
 
@@ -219,26 +219,25 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     """Inputs, model, resume; then each step trains, logs, evaluates and checkpoints; then the export."""
     flags = plan.flags
     tok, stream, val = parallel.agree(lambda: load_inputs(plan, proc), proc)
+    must, may = run_identity(plan)  # then --out is this run's, and a second run into it is refused
+    locks, fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc, log)
     record = dataclasses.asdict(plan)
     log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(model, plan.lr, (flags.beta1, flags.beta2), flags.weight_decay, proc.device.type == "cuda")
     parallel.fp8_scale_hook(model, optimizer, on=plan.fp8_all_gather)
-    must, may = run_identity(plan, model)
+    must["model"] = model.config.to_dict()
     ckpt_dir = os.path.join(plan.checkpoint_dir, f"phase{flags.phase}")
     ckpt = checkpoint.Checkpointer(ckpt_dir, proc, flags.keep_checkpoints, flags.async_checkpoint)
     state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
     control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)
-    start = 0
-    if flags.resume == "auto":  # the newest complete checkpoint made from these same inputs
-        start, _ = ckpt.resume(model, optimizer, must, may, log.info, plan.steps)
+    start = ckpt.start(model, optimizer, must, may, log.info, plan.steps, fresh, flags.overwrite)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     else:
         log.log("eval", step=0, **evaluate(model, *val, plan, proc, log, 0))
     meter = Progress(plan.steps, start, every=flags.log_every)
-    tokens_per_step = flags.global_batch * plan.seq_len
     for step in range(start, plan.steps):
         started = time.perf_counter()
         loss, grad_norm = train_step(model, optimizer, stream, step, params, plan, proc)
@@ -249,8 +248,8 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
         meter.add(time.perf_counter() - started, loss=loss)
         if meter.due(done):
             stats = meter.flush(done)  # the mean loss, the steps per second and the ETA since the last line
-            flops = model.config.flops_per_token(plan.seq_len)
-            speed = throughput(tokens_per_step * stats["steps_per_s"], proc.world_size, flops, proc.device)
+            tokens_per_s, flops = flags.global_batch * plan.seq_len * stats["steps_per_s"], model.config.flops_per_token
+            speed = throughput(tokens_per_s, proc.world_size, flops(plan.seq_len), proc.device)
             lr = optimizer.param_groups[0]["lr"]
             log.log(
                 "train", step=done, loss=stats["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=stats["eta"]
@@ -295,6 +294,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, FloatingPointError, OSError) as e:  # UsageError, CheckpointError, ModelDirError, a full disk
-        print_error("train.py", e)
-        sys.exit(2)
+    except (ValueError, FloatingPointError, OSError, KeyboardInterrupt) as e:  # UsageError, CheckpointError, Ctrl-C...
+        print_error("train.py", str(e) or "interrupted")  # after Ctrl-C, RunControl's line says where it stopped
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 2)

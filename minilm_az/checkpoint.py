@@ -30,8 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minilm_az.logs import MetricLogger
-from minilm_az.outputs import atomic_write_json, file_sha256, read_json
-from minilm_az.parallel import Process, all_reduce_sum
+from minilm_az.outputs import atomic_write_json, claim, file_sha256, inside, lock_dir, read_json
+from minilm_az.parallel import Process, agree, all_reduce_sum
 
 
 class CheckpointError(ValueError):
@@ -413,9 +413,39 @@ class Checkpointer:
             more = f" (and {len(skipped) - 1} older)" if len(skipped) > 1 else ""
             raise CheckpointError(
                 f"{self.ckpt_dir}: no checkpoint can be resumed: {skipped[0]}{more}; nothing was deleted; restore "
-                f"the missing files, or start fresh with --resume never"
+                f"the missing files, or start fresh with --resume never --overwrite"
             )
         return 0, None
+
+    def start(self, model, optimizer, must: dict, may: dict, warn, steps: int, fresh: bool, overwrite: bool) -> int:
+        """The step this run starts from: a resumed checkpoint's, or 0 when `fresh`. A fresh run removes the
+        checkpoints of an earlier run with --overwrite and is refused without it (its first save would prune them)."""
+        if not fresh:
+            return self.resume(model, optimizer, must, may, warn, steps)[0]
+        names = _on_rank0(lambda: step_dirs(self.ckpt_dir), self.proc.rank)
+        if names and not overwrite:
+            raise CheckpointError(
+                f"{self.ckpt_dir} holds an earlier run's checkpoints ({names[0]}): --overwrite replaces them"
+            )
+        if names and self.proc.local_rank == 0:  # one rank per disk
+            _prune(self.ckpt_dir, [])
+        self._barrier()
+        return 0
+
+
+def claim_run(out: str, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> tuple:
+    """The writer rank takes --out for this run and locks a --checkpoint-dir outside it (outputs.claim's rule), then
+    the log's file opens: (the held locks, whether this run starts fresh). Collective."""
+    run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
+
+    def take() -> tuple[list, bool]:
+        logs = ("metrics.jsonl", "tensorboard")
+        lock, replacing = claim(out, stage, flags.overwrite, run, logs, resume=flags.resume == "auto")
+        return [lock] + ([] if inside(out, ckpt_dir) else [lock_dir(ckpt_dir, "--checkpoint-dir")]), replacing
+
+    locks, replacing = agree(take if proc.is_main else lambda: ([], False), proc)
+    log.open()
+    return locks, flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
 
 
 # ---------------------------------------------------------------- run control: when the loop saves and stops
@@ -435,17 +465,28 @@ class RunControl:
         self.received: int | None = None  # the signal that reached this rank
         self.stopping = self.clock_due = self.writing = False  # what agree() learned from every rank
         self.pending: int | None = None  # the step of a save that is not published yet
+        self.step = 0  # the last step the loop finished
         self.last_save = time.monotonic()
         # Under plain torchrun a spot interruption is a SIGTERM. The handler only takes note; the loop acts.
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "received", signum))
+        signal.signal(signal.SIGINT, self._interrupt)
+        self.interrupted = False
+
+    def _interrupt(self, signum, frame) -> None:
+        # Ctrl-C stops the loop after this step: a save already written is published, none is started. A second
+        # Ctrl-C stops at once; the save being written then stays a staging dir, which the next run removes.
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
 
     def agree(self, loss: float, grad_norm: float, step: int) -> float:
         """The step's loss averaged over ranks, in one all-reduce with the stop signal, rank 0's clock and whether
         a rank still writes a save. Raises before a non-finite update, naming the last good checkpoint."""
         clock = self.proc.is_main and 0 < self.seconds <= time.monotonic() - self.last_save
         flags = [loss, self.received is not None, clock, not self.checkpointer.pending_done()]
-        loss_sum, stopping, clock, writing = all_reduce_sum([float(f) for f in flags], self.proc.device)
-        self.stopping, self.clock_due, self.writing = stopping > 0, clock > 0, writing > 0
+        flags.append(self.received == signal.SIGINT)
+        loss_sum, stopping, clock, writing, ctrl_c = all_reduce_sum([float(f) for f in flags], self.proc.device)
+        self.stopping, self.clock_due, self.writing, self.interrupted = stopping > 0, clock > 0, writing > 0, ctrl_c > 0
         loss = loss_sum / self.proc.world_size
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees the same values
             self.close()  # a save still being written is finished first, because it is the last good one
@@ -457,22 +498,27 @@ class RunControl:
     def save(self, step: int, last_step: bool = False) -> None:
         """Save after `step` if due: the last step, a stop signal, the clock, or every N steps. A save written in
         the background is published once no rank still writes it."""
-        due = last_step or self.stopping or self.clock_due or (self.every > 0 and step % self.every == 0)
+        stop = self.stopping and not self.interrupted  # Ctrl-C saves nothing new
+        due = last_step or stop or self.clock_due or (self.every > 0 and step % self.every == 0)
         if self.pending is not None and (due or not self.writing):
             self._publish()  # a due save first waits for the one before, so one write at most is in flight
         if due:
             self.checkpointer.save(step, **self.state)
             self.pending = step
             self.last_save = time.monotonic()
-        if self.stopping:
+        if self.stopping and not self.interrupted:
             number = self.received or int(signal.SIGTERM)  # the ranks the signal did not reach name SIGTERM
             self.log.info(f"stopped by signal {number} at step {step}; resume with --resume auto")
+        self.step = step
 
     def close(self) -> None:
-        """Publish the save still being written, then release the Checkpointer."""
+        """Publish the save still being written, then release the Checkpointer. After Ctrl-C: KeyboardInterrupt."""
         if self.pending is not None:
             self._publish()
         self.checkpointer.close()
+        if self.interrupted:
+            last = self.checkpointer.last() or "none"
+            raise KeyboardInterrupt(f"interrupted after step {self.step}; newest checkpoint: {last} (--resume auto)")
 
     def _publish(self) -> None:
         self.log.log("checkpoint", step=self.pending, dir=self.checkpointer.finalize())
@@ -576,7 +622,7 @@ def _check_state(path: str, saved: dict, must_match: dict, may_change: dict) -> 
             old, new = _shown(saved[key], new)
             raise CheckpointError(
                 f"{path}: checkpoint was made with {key}={old!r}, this run has {new!r}; "
-                f"use --resume never or another --checkpoint-dir"
+                f"use another --checkpoint-dir, or --resume never --overwrite to replace it"
             )
     may = {key: json.loads(json.dumps(new)) for key, new in may_change.items()}
     return [f"{key}={saved[key]!r}->{new!r}" for key, new in may.items() if key in saved and saved[key] != new]

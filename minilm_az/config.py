@@ -38,6 +38,9 @@ def _f(default: Any, help: str, **meta) -> Any:
 # ---------------------------------------------------------------- train.py and finetune.py
 
 
+OVERWRITE = "replace what an earlier run of this stage wrote in --out (only the files its marker lists)"
+
+
 @dataclass
 class LoopFlags:
     """What the loops of train.py and finetune.py share: checkpoints and resume (minilm_az/checkpoint.py), and
@@ -57,6 +60,7 @@ class LoopFlags:
         True, "write checkpoints in the background (training waits only for the copy off the GPU)"
     )
     keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
+    overwrite: bool = _f(False, OVERWRITE + "; the same inputs continue their run without it")
     tensorboard: bool = _f(False, "TensorBoard event files too, in OUT/tensorboard (on SageMaker synced to S3)")
 
 
@@ -175,7 +179,7 @@ class FinetuneConfig(LoopFlags):
         lo=1,
     )
     steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
-    epochs: float = _f(1.0, "passes over the data when --steps is not given", lo=0.0)
+    epochs: float = _f(1.0, "passes over the data when --steps is not given", gt=0.0)
     lr: float = _f(2e-4, "peak learning rate", lo=0.0, hi=1e6)
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
     warmup: int = _f(10, "linear warm-up steps", lo=0)
@@ -230,7 +234,7 @@ class TokenizeTrainConfig(CorpusConfig):
     max_token_length: int | None = _f(None, "longest token in characters (default: no limit)", lo=1)
     model_max_length: int | None = _f(None, "model_max_length in tokenizer_config.json", lo=1)
     out: str | None = _f(None, "tokenizer directory to write", container=CONTAINER_MODEL)
-    overwrite: bool = _f(False, "replace an existing tokenizer directory (only one this command wrote)")
+    overwrite: bool = _f(False, OVERWRITE)
 
 
 @dataclass
@@ -255,13 +259,13 @@ class TokenizeEncodeConfig(CorpusConfig):
     shard_tokens: int = _f(100_000_000, "tokens per .bin file", lo=1024)
     batch_mb: int | None = _f(None, "MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4)", lo=1)
     out: str | None = _f(None, "shard directory to write", container=CONTAINER_MODEL)
-    overwrite: bool = _f(False, "replace an existing shard directory (only one this command wrote)")
+    overwrite: bool = _f(False, OVERWRITE)
 
 
 @dataclass
 class TokenizeCleanConfig(CorpusConfig):
     out: str | None = _f(None, "directory for clean-*.jsonl.gz and clean_report.json", container=CONTAINER_MODEL)
-    overwrite: bool = _f(False, "replace an existing clean directory (only one this command wrote)")
+    overwrite: bool = _f(False, OVERWRITE)
     normalize: bool = _f(True, "NFC, control characters out, single spaces, stripped lines")
     lang: str = _f("az", "keep Azerbaijani (Latin script) by py3langid, or keep every language", choices=("az", "none"))
     lang_threshold: float = _f(0.5, "least py3langid probability of az to keep a document", lo=0.0, hi=1.0)

@@ -127,25 +127,33 @@ def print_error(prog: str, error: BaseException | str) -> None:
 class MetricLogger:
     """Prints key=value lines (rank 0 only) and appends them to `metrics.jsonl`, which a resume extends. With a
     `tensorboard` dir, the numbers of each record that has a step are also TensorBoard scalars, `KIND/KEY`.
-    Files are made at the first record, so a run refused by its checks leaves none behind."""
+    Records are held in memory until open(), which the run calls once its output dir is its own (outputs.claim),
+    so a run refused by its checks leaves no file behind, and none lands in a directory that is not the run's."""
 
     def __init__(self, jsonl: str | None, enabled: bool = True, stream: TextIO | None = None, tensorboard=None):
         self.enabled, self.stream, self.jsonl, self.tensorboard = enabled, stream or sys.stdout, jsonl, tensorboard
         self.file = self.writer = None
+        self.held: list[str] | None = []  # the records before open()
+
+    def open(self) -> None:
+        if self.enabled and self.jsonl and self.held is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
+            self.file = open(self.jsonl, "a", encoding="utf-8")
+            self.file.writelines(self.held)
+        self.held = None
 
     def log(self, stream: str, **metrics: Any) -> None:
         if not self.enabled:
             return
         print(format_line(stream, **metrics), file=self.stream, flush=True)
-        if self.jsonl and self.file is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
-            self.file = open(self.jsonl, "a", encoding="utf-8")
-        if self.file is not None:
-            record = {"kind": stream, "time": round(time.time(), 3)}
-            record.update({k: v for k, v in metrics.items() if v is not None})
-            self.file.write(json.dumps(record) + "\n")
+        kept = {k: v for k, v in metrics.items() if v is not None}
+        record = json.dumps({"kind": stream, "time": round(time.time(), 3), **kept}) + "\n"
+        if self.held is not None:
+            self.held.append(record)
+        elif self.file is not None:
+            self.file.write(record)
             self.file.flush()
-        if self.tensorboard and isinstance(metrics.get("step"), int):
+        if self.held is None and self.tensorboard and isinstance(metrics.get("step"), int):
             if self.writer is None:  # the tensorboard extra: the flags refuse --tensorboard without it
                 from torch.utils.tensorboard import SummaryWriter
 

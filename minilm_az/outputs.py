@@ -1,26 +1,20 @@
-"""Output directories that are safe to write when the target is its own mount point (SageMaker's /opt/ml/model).
+"""Output directories: who may write one (claim), and writes that are safe when it is a mount point (staged_output).
 
-A rename across file systems fails (EXDEV) and a mount point cannot be removed or renamed (EBUSY), so
-the usual "write a sibling temp dir, swap it in" breaks there. Instead every stage writes into a
-staging dir *inside* the target, then moves the files in one by one (same file system: plain renames)
-and never renames or removes the target itself:
+One ownership rule for every writer (claim): a stage writes into a new directory, or one the marker file
+`minilm-az-output.json` says it owns; the same run continues there, an earlier output is replaced only with
+--overwrite (removing only files the marker lists), anything else is refused. A lock held for the run stops a second.
 
-    with staged_output(out, stage="hf-model") as tmp:   # out/.staging-XXXX
-        save_file(tensors, os.path.join(tmp, "model.safetensors"))
-    # out/model.safetensors, out/minilm-az-output.json
+    {"owner": {"stage": "train.py", "run": "<digest of its inputs>", "time": "2025-01-01T00:00:00Z"},
+     "outputs": [{"stage": "hf-model", "files": ["config.json", "model.safetensors"], "time": "...", "complete": true}]}
 
-The marker file `minilm-az-output.json`, written last, says which stage wrote which files:
-
-    {"outputs": [{"stage": "hf-model", "files": ["config.json", "model.safetensors"],
-                  "time": "2025-01-01T00:00:00Z", "complete": true}]}
-
-Several stages may share a directory (a model and its tokenizer); each has its own record. Only files
-a record lists are ever removed (a stale file of the previous output of the same stage), so a directory
-holding other artifacts is never emptied.
+A rename across file systems fails (EXDEV) and a mount point (SageMaker's /opt/ml/model) cannot be removed or
+renamed (EBUSY), so files are written into a staging dir *inside* the target, then moved in one by one (plain
+renames), and the record of each output (a model and its tokenizer are two) is written last.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -29,9 +23,13 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import IO
+
+from safetensors import SafetensorError
 
 MARKER = "minilm-az-output.json"
 STAGING_PREFIX = ".staging-"
+LOCK = ".minilm-az.lock.sagemaker-ignore"  # SageMaker's sync never uploads it: a lock belongs to one host
 
 
 # ---------------------------------------------------------------- single files
@@ -102,21 +100,29 @@ def read_json(path: str, error: type[Exception] = ValueError) -> dict:
 # ---------------------------------------------------------------- the marker
 
 
-def _read_marker(out_dir: str) -> list[dict]:
+def _marker(out_dir: str) -> dict:
     path = os.path.join(out_dir, MARKER)
     if not os.path.isfile(path):
-        return []
+        return {}
     try:
         with open(path, encoding="utf-8") as f:
-            records = json.load(f).get("outputs", [])
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path}: unreadable output marker ({e}); remove it by hand") from None
+            marker = json.load(f)
+        if not isinstance(marker, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise OutputError(f"{path}: unreadable output marker ({e}); remove it by hand") from None
+    return marker
+
+
+def _read_marker(out_dir: str) -> list[dict]:
+    records = _marker(out_dir).get("outputs", [])
     return [r for r in records if isinstance(r, dict) and isinstance(r.get("files"), list)]
 
 
-def _write_marker(out_dir: str, records: list[dict]) -> None:
-    if records:
-        atomic_write_json(os.path.join(out_dir, MARKER), {"outputs": records})
+def _write_marker(out_dir: str, records: list[dict], owner: dict | None = None) -> None:
+    owner = owner or _marker(out_dir).get("owner")
+    if records or owner:
+        atomic_write_json(os.path.join(out_dir, MARKER), {**({"owner": owner} if owner else {}), "outputs": records})
     elif os.path.exists(os.path.join(out_dir, MARKER)):
         os.remove(os.path.join(out_dir, MARKER))
 
@@ -133,17 +139,19 @@ def written_by(out_dir: str, stage: str | None = None) -> dict | None:
     return records[-1] if records else None
 
 
-def _safe_relpath(rel: str) -> bool:
-    # A marker is data on disk, so it must never name a file outside its directory.
-    return bool(rel) and not os.path.isabs(rel) and ".." not in rel.split("/")
+def inside(root: str, path: str) -> bool:
+    """Whether `path` resolves (symlinks followed) inside `root`. Every path read from a file must: a marker, an
+    index or an adapter is data on disk, and a name in it may not reach, or remove, a file elsewhere."""
+    root = os.path.realpath(root)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
 
 
 def _remove_files(out_dir: str, files: Iterable[str]) -> list[str]:
     removed = []
     for rel in files:
         path = os.path.join(out_dir, rel)
-        if not _safe_relpath(rel) or not (os.path.isfile(path) or os.path.islink(path)):
-            continue
+        if not inside(out_dir, os.path.dirname(path)) or not (os.path.isfile(path) or os.path.islink(path)):
+            continue  # the file itself may be a link: removing a link leaves its target alone
         os.remove(path)
         removed.append(rel)
         parent = os.path.dirname(rel)
@@ -156,16 +164,82 @@ def _remove_files(out_dir: str, files: Iterable[str]) -> list[str]:
     return removed
 
 
-def check_writable(path: str, flag: str) -> None:
-    """Raise OSError, naming `flag`, if `path` cannot be written. Call it before hours of training."""
+class OutputError(ValueError):
+    """A directory this run may not write, said in one line before any work."""
+
+
+def lock_dir(path: str, flag: str) -> IO:
+    """Create `path` if needed and hold an exclusive lock on it until the process ends; a second holder is refused.
+
+    flock, not a pid file: the kernel drops the lock when its process dies, even by SIGKILL, so a killed run never
+    leaves a stale lock behind for its restart. Taking it also proves, before hours of work, that `path` is writable.
+    """
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w") as fh:
-            fh.write("ok")
-        os.remove(probe)
+        handle = open(os.path.join(path, LOCK), "a")
     except OSError as e:
-        raise OSError(e.errno, f"{flag} {path}: cannot write there ({e.strerror})") from None
+        raise OSError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise OutputError(f"{flag} {path}: another run is writing there now; wait for it, or choose another") from None
+    return handle
+
+
+def _owner_problem(out_dir: str, stage: str, overwrite: bool, run: str | None, resume: bool) -> tuple[str | None, bool]:
+    """(why `stage` may not write out_dir, or None; whether an earlier output of the same stage will be replaced)."""
+    if not os.path.exists(out_dir):
+        return None, False
+    if not os.path.isdir(out_dir):
+        return "a file, where a directory belongs", False
+    # No output of ours starts with a dot, and a marker alone is a run that stopped before it wrote anything.
+    entries = sorted(e for e in os.listdir(out_dir) if not e.startswith(".") and e != MARKER)
+    if not entries:
+        return None, False
+    owner = _marker(out_dir).get("owner") or {}
+    if not owner:
+        more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+        return f"holds files no minilm-az stage wrote ({', '.join(entries[:3])}{more}); choose a new directory", False
+    if owner.get("stage") != stage:
+        return f"holds the output of `{owner.get('stage')}` ({owner.get('time')}); choose a new directory", False
+    if resume and run is not None and owner.get("run") == run:  # the same run, which --resume auto continues
+        return None, False
+    if overwrite:
+        return None, True
+    other = " from other inputs" if run is not None and resume else ""
+    return f"holds an earlier `{stage}`'s output{other} ({owner.get('time')}); pass --overwrite to replace it", False
+
+
+def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run_files=(), resume=True) -> tuple:
+    """Take out_dir for `stage` under the one ownership rule every writer follows: (the held lock, replacing).
+
+    A stage writes only into a directory that is new (or empty), or that the marker says this stage owns. There the
+    same run (train/finetune: `run`, a digest of its inputs, is equal, and it may `resume`) continues; an earlier
+    output is replaced only with --overwrite, which removes only files the marker lists (`run_files`, a run's logs,
+    at once; outputs as the new ones move in). Anything else is refused, --overwrite or not: files the marker does
+    not list may be another model's, and nothing here may replace or remove them.
+    """
+    problem, _ = _owner_problem(out_dir, stage, overwrite, run, resume)  # before the lock: a refusal creates nothing
+    if problem:
+        raise OutputError(f"--out {out_dir}: {problem}")
+    lock = lock_dir(out_dir, "--out")
+    problem, replacing = _owner_problem(out_dir, stage, overwrite, run, resume)  # again, now no other run can write
+    if problem:
+        lock.close()
+        raise OutputError(f"--out {out_dir}: {problem}")
+    marker = _marker(out_dir)
+    owner = marker.get("owner") or {}
+    if replacing:
+        for name in owner.get("files", []):
+            path = os.path.join(out_dir, name)
+            if inside(out_dir, os.path.dirname(path)) and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            _remove_files(out_dir, [name])
+    if replacing or not owner:
+        owner = dict(stage=stage, run=run, time=_now(), files=list(run_files))
+        _write_marker(out_dir, marker.get("outputs", []), owner)
+    return lock, replacing
 
 
 # ---------------------------------------------------------------- staged directories
@@ -198,6 +272,8 @@ def _check_no_conflicts(out_dir: str, files: list[str]) -> None:
         if rel == MARKER:
             raise ValueError(f"staged_output: a stage may not write the marker file {MARKER} itself")
         target = os.path.join(out_dir, rel)
+        if not inside(out_dir, os.path.dirname(target)):
+            raise OutputError(f"{os.path.dirname(target)} leads outside {out_dir} (a link); the output goes in there")
         if os.path.isdir(target):
             raise IsADirectoryError(f"{target} is a directory; the new output has a file there")
         parent = os.path.dirname(rel)
@@ -222,6 +298,16 @@ def _move_in(stage_dir: str, out_dir: str, files: list[str]) -> None:
         _fsync(d)
 
 
+def write_error(path: str, e: BaseException) -> OSError:
+    """A failed write as one line: the path, the reason and the free space there (so a full disk says so)."""
+    where = path
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where) or "."
+    free = shutil.disk_usage(where).free / 2**30
+    reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    return OSError(f"{path}: cannot write the output ({reason}; {free:.1f} GiB free there)")
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -244,10 +330,12 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
         files = _staged_files(stage_dir)
         _check_no_conflicts(out_dir, files)
         _commit(out_dir, stage_dir, files, stage, replaces)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(stage_dir, ignore_errors=True)
         if created and not os.listdir(out_dir):  # we made out_dir, so a failed first write removes it
             os.rmdir(out_dir)
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk, a read-only mount: one line, with the space
+            raise write_error(out_dir, e) from None
         raise
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)

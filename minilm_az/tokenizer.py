@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from collections.abc import Iterable
 
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
-from minilm_az.outputs import atomic_write_bytes, atomic_write_json, atomic_write_text, file_sha256
+from minilm_az.outputs import atomic_write_json, atomic_write_text, file_sha256, staged_output
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -256,15 +257,14 @@ def copy_tokenizer_files(src: str, dst_dir: str) -> list[str]:
     """
     src_json = _tokenizer_json(src)
     src_dir = os.path.dirname(os.path.abspath(src_json))
-    os.makedirs(dst_dir, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        src_file = src_json if name == "tokenizer.json" else os.path.join(src_dir, name)
-        if os.path.isfile(src_file):
-            with open(src_file, "rb") as f:
-                atomic_write_bytes(os.path.join(dst_dir, name), f.read())
-        else:
-            config = _tokenizer_config(load_tokenizer(src_json), None)
-            if name == "special_tokens_map.json":
-                config = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
-            atomic_write_json(os.path.join(dst_dir, name), config)
+    with staged_output(dst_dir, stage="tokenizer") as tmp:  # like every output: staged, recorded in the marker
+        for name in TOKENIZER_FILES:
+            src_file = src_json if name == "tokenizer.json" else os.path.join(src_dir, name)
+            if os.path.isfile(src_file):
+                shutil.copyfile(src_file, os.path.join(tmp, name))
+            else:
+                config = _tokenizer_config(load_tokenizer(src_json), None)
+                if name == "special_tokens_map.json":
+                    config = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
+                atomic_write_json(os.path.join(tmp, name), config)
     return list(TOKENIZER_FILES)

@@ -139,6 +139,8 @@ def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
             parser.error(f"{flag(f.name)} must be a finite number, got {v}")
         if lo is not None and v < lo:
             parser.error(f"{flag(f.name)} must be >= {lo}, got {v}")
+        if f.metadata.get("gt") is not None and v <= f.metadata["gt"]:
+            parser.error(f"{flag(f.name)} must be > {f.metadata['gt']}, got {v}")
         if hi is not None and v > hi:
             parser.error(f"{flag(f.name)} must be <= {hi}, got {v}")
 
