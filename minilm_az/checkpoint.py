@@ -393,7 +393,8 @@ class Checkpointer:
                 saved = _on_rank0(functools.partial(read_train_state, path), rank)
                 changed = _check_state(path, saved, must_match, may_change)
                 if int(saved["step"]) > steps:  # its export would be a later model than the one asked for
-                    raise CheckpointError(f"{path}: at step {saved['step']}, past --steps {steps}; use --resume never")
+                    msg = f"at step {saved['step']}, past --steps {steps}; use --resume never --overwrite"
+                    raise CheckpointError(f"{path}: {msg}")
                 try:
                     load_train_checkpoint(path, model, optimizer, rank)
                 except CheckpointError as e:

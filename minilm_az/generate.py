@@ -16,6 +16,8 @@ def sample_next(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
 ) -> int:
     """One token id from (V,) logits: argmax at temperature 0, else nucleus sampling."""
+    if not torch.isfinite(logits).all():  # Argmax would pick a NaN without a word, and sampling would crash.
+        raise FloatingPointError("generate: the model's logits are NaN or inf (are its weights finite?)")
     if temperature <= 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -46,8 +48,7 @@ def generate_ids(
     if len(prompt) >= limit:
         raise ValueError(f"prompt of {len(prompt)} tokens leaves no room (max_seq_len={model.config.max_seq_len})")
     gen = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(model.config, 1, limit, dev, dtype)
+    cache = KVCache(model.config, 1, limit, dev, next(model.parameters()).dtype)
     seq, out, pos = list(prompt), [], 0
     while len(seq) < limit:
         logits = model(torch.tensor([seq[pos:]], device=dev), cache=cache, pos=pos)

@@ -30,6 +30,14 @@ class ModelDirError(ValueError):
 
 # ---------------------------------------------------------------- Hugging Face config.json
 
+# What our Llama computes, field by field (null or absent means the same). Any other value would be computed as a
+# Llama without a word (a Mistral's sliding window, a GELU MLP, integer or quantized weights), so it is refused.
+FLOATS = ("float32", "bfloat16", "float16", "float64")
+IMPLEMENTED = {"model_type": ("llama",), "architectures": (["LlamaForCausalLM"],), "hidden_act": ("silu",)}
+IMPLEMENTED |= {"attention_bias": (False,), "mlp_bias": (False,), "sliding_window": (), "quantization_config": ()}
+IMPLEMENTED |= {"partial_rotary_factor": (1.0,), "tie_word_embeddings": (True, False), "torch_dtype": FLOATS}
+IMPLEMENTED["dtype"] = FLOATS  # Transformers 5 writes torch_dtype as `dtype`.
+
 
 def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
     """ModelConfig from a HF Llama config dict; reads both `rope_scaling` and 5.x `rope_parameters`.
@@ -61,38 +69,41 @@ def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ModelDirError(f"{path}: field 'rope_scaling' must be an object or null, got {rope!r}")
-    theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    for key, values in IMPLEMENTED.items():
+        value = hf.get(key, rope.get(key))
+        if value not in (None, *values):
+            raise ModelDirError(f"{path}: field {key!r} is {value!r}; this Llama implements only {[*values, None]}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ModelDirError(f"{path}: rope type {rope_type!r} is not supported (default or llama3)")
     heads = need("num_attention_heads")
     dim = need("hidden_size")
     head_dim = optional("head_dim", None)
-    tie = hf.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise ModelDirError(f"{path}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
     llama3 = rope_type == "llama3"
     if llama3 and "factor" not in rope:
         raise ModelDirError(f"{path}: llama3 rope_scaling without 'factor'")
-    return ModelConfig(
-        dim=dim,
-        n_layers=need("num_hidden_layers"),
-        n_heads=heads,
-        n_kv_heads=optional("num_key_value_heads", heads),
-        ffn_dim=need("intermediate_size"),
-        vocab_size=need("vocab_size"),
-        rope_theta=number("rope_theta", theta),
-        rope_factor=number("rope_scaling.factor", rope["factor"]) if llama3 else None,
-        rope_low_freq_factor=number("rope_scaling.low_freq_factor", rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=number("rope_scaling.high_freq_factor", rope.get("high_freq_factor", 4.0)),
-        rope_original_max_seq_len=integer(
-            "rope_scaling.original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)
-        ),
-        norm_eps=optional("rms_norm_eps", 1e-5, number),
-        tie_embeddings=tie,
-        max_seq_len=optional("max_position_embeddings", 2048),
-        head_dim_override=head_dim if head_dim and head_dim != dim // heads else None,
-    )
+    try:
+        return ModelConfig(
+            dim=dim,
+            n_layers=need("num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=optional("num_key_value_heads", heads),
+            ffn_dim=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            rope_theta=number("rope_theta", hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_factor=number("rope_scaling.factor", rope["factor"]) if llama3 else None,
+            rope_low_freq_factor=number("rope_scaling.low_freq_factor", rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=number("rope_scaling.high_freq_factor", rope.get("high_freq_factor", 4.0)),
+            rope_original_max_seq_len=integer(
+                "rope_scaling.original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)
+            ),
+            norm_eps=optional("rms_norm_eps", 1e-5, number),
+            tie_embeddings=bool(hf.get("tie_word_embeddings")),
+            max_seq_len=optional("max_position_embeddings", 2048),
+            head_dim_override=head_dim if head_dim and head_dim != dim // heads else None,
+        )
+    except ValueError as e:  # ModelConfig's own checks name a field, not the file.
+        raise e if isinstance(e, ModelDirError) else ModelDirError(f"{path}: {e}") from None
 
 
 def config_to_hf(
@@ -148,9 +159,11 @@ def read_config(path: str) -> ModelConfig:
 
 
 def saved_dtype(path: str) -> torch.dtype:
-    """The dtype a HF model dir was saved in (config.json's torch_dtype), float32 when it does not say."""
-    hf = read_json(os.path.join(path, "config.json"), ModelDirError)
-    return getattr(torch, str(hf.get("torch_dtype") or hf.get("dtype") or "float32"), torch.float32)
+    """The floating dtype a HF model dir was saved in (config.json's torch_dtype), float32 when it does not say."""
+    f = os.path.join(path, "config.json")
+    hf = read_json(f, ModelDirError)
+    config_from_hf(hf, f)  # It refuses an integer torch_dtype, in which a merge would be all zeros.
+    return getattr(torch, hf.get("torch_dtype") or hf.get("dtype") or "float32")
 
 
 # ---------------------------------------------------------------- safetensors in
@@ -174,11 +187,14 @@ def weight_files(path: str) -> dict[str, str]:
         wm = read_json(index, ModelDirError).get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise ModelDirError(f"{index}: no 'weight_map'")
-        out = {name: os.path.join(path, file) for name, file in wm.items()}
-        for file in sorted(set(out.values())):
-            if not os.path.isfile(file):
-                raise ModelDirError(f"{index}: shard {os.path.basename(file)} is missing")
-        return out
+        root = os.path.realpath(path)
+        for file in sorted(set(wm.values())):
+            # A shard's folder must resolve inside the model dir. The file may be a link, as in the HF cache.
+            if os.path.commonpath([root, os.path.realpath(os.path.dirname(os.path.join(root, file)))]) != root:
+                raise ModelDirError(f"{index}: shard {file!r} is outside {path}")
+            if not os.path.isfile(os.path.join(path, file)):
+                raise ModelDirError(f"{index}: shard {file} is missing")
+        return {name: os.path.join(path, file) for name, file in wm.items()}
     if os.path.isfile(single):
         with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
@@ -240,6 +256,8 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
                 f"{path}/{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(p.shape)} (config.json disagrees with weights)"
             )
+        if not torch.isfinite(tensor).all():  # A NaN base would train to NaN and answer with garbage.
+            raise ModelDirError(f"{path}/{where}: tensor {name!r} holds NaN or inf values")
         with torch.no_grad():
             copy_into(p, tensor.to(device=p.device, dtype=torch.float32))
         seen.add(name)
@@ -249,10 +267,8 @@ def load_weights_into(model: Llama, path: str, overrides: dict[str, torch.Tensor
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:
-        raise ModelDirError(
-            f"{path}: missing tensor(s) {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelDirError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{more}")
 
 
 def load_pretrained(
@@ -297,6 +313,8 @@ def save_pretrained(
             "or save the adapter with lora.save_adapter"
         )
     dtype = dtype or next(model.parameters()).dtype
+    if not dtype.is_floating_point:  # An integer export would round every weight, to zero at these scales.
+        raise ModelDirError(f"{path}: weights are exported in a floating dtype, not {dtype}")
     staged = staged_output(path, stage=HF_STAGE, replaces=_hf_weight_files(path)) if is_writer else nullcontext()
     with staged as tmp:
         weight_map, total = _write_shards(model, tmp, dtype, max_shard_bytes)

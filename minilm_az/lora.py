@@ -189,14 +189,8 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; shared (tied) tensors counted once; works on meta models."""
-    seen, trainable, total = set(), 0, 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    return trainable, total
+    params = list(model.parameters())  # parameters() yields a tied (shared) tensor only once.
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
@@ -374,13 +368,13 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
                 f"{wfile}: tensor {key!r} has shape {tuple(t.shape)}, this model expects "
                 f"{tuple(p.shape)} (adapter for a different base model or rank?)"
             )
+        if not torch.isfinite(t).all():  # A diverged fine-tune would reply with nothing, or crash.
+            raise AdapterError(f"{wfile}: tensor {key!r} holds NaN or inf values; retrain the adapter")
         with torch.no_grad():
             copy_into(p, t.to(device=p.device, dtype=torch.float32))
         seen.add((mod, part))
     missing = [f"{m}.{part}" for m in modules for part in ("lora_A", "lora_B") if (m, part) not in seen]
     if missing:
-        raise AdapterError(
-            f"{wfile}: missing adapter tensor(s) {', '.join(missing[:4])}"
-            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        )
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise AdapterError(f"{wfile}: missing adapter tensor(s) {', '.join(missing[:4])}{more}")
     return list(modules)

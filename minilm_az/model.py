@@ -51,6 +51,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"ModelConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:  # RoPE rotates pairs of dimensions.
+            raise ValueError(f"ModelConfig: head_dim={self.head_dim} is odd (RoPE needs pairs of dimensions)")
 
     @property
     def head_dim(self) -> int:

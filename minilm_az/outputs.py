@@ -14,6 +14,8 @@ renames), and the record of each output (a model and its tokenizer are two) is w
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -174,17 +176,32 @@ def lock_dir(path: str, flag: str) -> IO:
     flock, not a pid file: the kernel drops the lock when its process dies, even by SIGKILL, so a killed run never
     leaves a stale lock behind for its restart. Taking it also proves, before hours of work, that `path` is writable.
     """
+    created, lock = not os.path.exists(path), os.path.join(path, LOCK)
     try:
         os.makedirs(path, exist_ok=True)
-        handle = open(os.path.join(path, LOCK), "a")
+        handle = open(lock, "a")
     except OSError as e:
         raise OSError(f"{flag} {path}: cannot write there ({e.strerror})") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        if os.fstat(handle.fileno()).st_ino != os.stat(lock).st_ino:  # its holder removed it as we opened it
+            raise BlockingIOError
+    except (BlockingIOError, FileNotFoundError):
         handle.close()
         raise OutputError(f"{flag} {path}: another run is writing there now; wait for it, or choose another") from None
+    atexit.register(_unlock, path, handle, created)
     return handle
+
+
+def _unlock(path: str, handle: IO, created: bool) -> None:
+    # At exit the lock file goes, so a directory holds only what was written; a directory this run made and wrote
+    # nothing into goes too (a refused or failed first run leaves nothing behind).
+    with contextlib.suppress(OSError):
+        if not handle.closed:
+            os.remove(os.path.join(path, LOCK))
+        if created and set(os.listdir(path)) <= {MARKER} and not _read_marker(path):
+            shutil.rmtree(path)
+    handle.close()
 
 
 def _owner_problem(out_dir: str, stage: str, overwrite: bool, run: str | None, resume: bool) -> tuple[str | None, bool]:
@@ -197,7 +214,8 @@ def _owner_problem(out_dir: str, stage: str, overwrite: bool, run: str | None, r
     entries = sorted(e for e in os.listdir(out_dir) if not e.startswith(".") and e != MARKER)
     if not entries:
         return None, False
-    owner = _marker(out_dir).get("owner") or {}
+    records = _read_marker(out_dir)  # a dir written before owners were recorded: its newest output's stage
+    owner = _marker(out_dir).get("owner") or ({k: records[-1].get(k) for k in ("stage", "time")} if records else {})
     if not owner:
         more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
         return f"holds files no minilm-az stage wrote ({', '.join(entries[:3])}{more}); choose a new directory", False

@@ -411,7 +411,7 @@ def test_overwrite_replaces_only_its_own_previous_output(tmp_path):
     tokenize("clean", "--corpus", kde, "--out", str(out), "--shard-mb", "1")
     first = sorted(os.listdir(out))
     assert error_line(tokenize("clean", "--corpus", kde, "--out", str(out), check=False)).endswith(
-        "--overwrite to replace it)"
+        "pass --overwrite to replace it"
     )
     tokenize("clean", "--corpus", os.path.join(DATA, "django.txt"), "--out", str(out), "--overwrite")
     assert sorted(os.listdir(out)) == first  # the same files, with the new run's content

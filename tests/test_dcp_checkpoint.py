@@ -224,7 +224,7 @@ def test_step_dirs_that_all_fail_are_one_error_and_nothing_is_deleted(group, tmp
     assert str(e.value) == (
         f"{tmp_path}: no checkpoint can be resumed: {os.path.basename(newer)}: manifest-00000.json is missing "
         "(rank 0's files: a save or a sync that did not finish) (and 1 older); nothing was deleted; restore the "
-        "missing files, or start fresh with --resume never"
+        "missing files, or start fresh with --resume never --overwrite"
     )
     after = sorted(os.path.relpath(os.path.join(r, f), tmp_path) for r, _, fs in os.walk(tmp_path) for f in fs)
     assert after == before
@@ -261,7 +261,7 @@ def test_resume_refuses_another_model_and_warns_about_a_changed_seed(group, tmp_
         resume(tmp_path, model, opt, {"model": other}, {}, print)
     assert str(e.value) == (
         f"{path}: checkpoint was made with model={{'n_layers': 2}}, this run "
-        f"has {{'n_layers': 3}}; use --resume never or another --checkpoint-dir"
+        f"has {{'n_layers': 3}}; use another --checkpoint-dir, or --resume never --overwrite to replace it"
     )
     warnings = []
     step, _ = resume(
@@ -563,5 +563,5 @@ def test_dirs_named_like_checkpoints_of_another_format_are_not_ignored(group, tm
 def test_a_checkpoint_past_the_runs_steps_is_refused(group, tmp_path):
     model, opt = make()
     path = save_train_checkpoint(tmp_path, 8, model, opt)
-    with pytest.raises(CheckpointError, match=f"^{path}: at step 8, past --steps 4; use --resume never$"):
+    with pytest.raises(CheckpointError, match=f"^{path}: at step 8, past --steps 4; use --resume never --overwrite$"):
         Checkpointer(str(tmp_path), PROC, async_save=False).resume(model, opt, {}, {}, print, steps=4)

@@ -128,11 +128,11 @@ def test_encode_writes_shards_with_firefox_as_val(trained, tmp_path):
 
 def test_existing_output_dir_is_refused_without_overwrite(trained, tmp_path):
     msg = error_line(tokenize("train", "--vocab-size", "300", "--out", trained, check=False))
-    assert "output directory exists" in msg and "--overwrite" in msg
+    assert "holds an earlier `tokenize train`'s output" in msg and "pass --overwrite to replace it" in msg
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     msg = error_line(tokenize("train", "--out", str(tmp_path / "mine"), "--overwrite", check=False))
-    assert "refusing to overwrite" in msg and "holds no output of `tokenize train`" in msg
+    assert "holds files no minilm-az stage wrote (notes.txt); choose a new directory" in msg
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 

@@ -7,7 +7,7 @@ hosts are killed at a random moment, mid-save more often than not (a checkpoint 
 background). What is allowed after each restart is decided here, from the prefix alone and without the code
 under test: the job resumes from the newest checkpoint that S3 holds whole (every file that a save of two ranks
 writes), never from step 0 while one exists; with step dirs but none whole it exits 2 in one line and deletes
-nothing, and the next launch passes --resume never. When a job finally runs to the end, its model must equal
+nothing, and the next launch passes --resume never --overwrite. When a job finally runs to the end, its model must equal
 an uninterrupted single-process run's.
 """
 
@@ -83,7 +83,7 @@ def test_kills_of_both_hosts_at_random_resume_from_the_newest_checkpoint_s3_hold
     inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
     job, fresh = (
         launch(aws, ARGV, hosts=2, inputs=inputs),
-        launch(aws, [*ARGV, "--resume", "never"], hosts=2, inputs=inputs),
+        launch(aws, [*ARGV, "--resume", "never", "--overwrite"], hosts=2, inputs=inputs),
     )
     kills = episodes = runs = 0
     seen = {"resumed": 0, "refused": 0, "mid-save": 0}

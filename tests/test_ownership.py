@@ -1,0 +1,140 @@
+"""One ownership rule for every writer (minilm_az/outputs.py:claim), the lock held for a run, write errors as one
+line, and Ctrl-C in train.py: the unit-level cases. The end-to-end rows (each script given a directory it does
+not own, a locked one, a marker entry through a link) are in tests/test_bad_inputs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from minilm_az.checkpoint import check, step_dirs
+from minilm_az.outputs import LOCK, MARKER, OutputError, claim, lock_dir, staged_output
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write(path, text="x"):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_a_new_dir_is_taken_and_the_same_run_continues_without_overwrite(tmp_path):
+    out = str(tmp_path / "out")
+    lock, replacing = claim(out, "train.py", False, run="r1")
+    assert not replacing and json.load(open(os.path.join(out, MARKER)))["owner"]["run"] == "r1"
+    _write(os.path.join(out, "metrics.jsonl"))
+    lock.close()
+    lock, replacing = claim(out, "train.py", False, run="r1")  # the same inputs: --resume auto continues
+    assert not replacing and os.path.exists(os.path.join(out, "metrics.jsonl"))
+    lock.close()
+    with pytest.raises(OutputError, match="from other inputs"):
+        claim(out, "train.py", False, run="r2")
+    with pytest.raises(OutputError, match="pass --overwrite"):  # the same run, but asked to start fresh
+        claim(out, "train.py", False, run="r1", resume=False)
+
+
+def test_overwrite_removes_only_what_the_marker_lists(tmp_path):
+    out = str(tmp_path / "out")
+    lock, _ = claim(out, "train.py", False, run="r1", run_files=("metrics.jsonl", "tensorboard"))
+    lock.close()
+    os.makedirs(os.path.join(out, "tensorboard"))
+    _write(os.path.join(out, "tensorboard", "events"))
+    _write(os.path.join(out, "metrics.jsonl"))
+    _write(os.path.join(out, "notes.txt"))  # owned dir, a file no record lists: it stays
+    lock, replacing = claim(out, "train.py", True, run="r2", run_files=("metrics.jsonl", "tensorboard"))
+    lock.close()
+    assert replacing and sorted(os.listdir(out)) == sorted([LOCK, MARKER, "notes.txt"])
+    assert json.load(open(os.path.join(out, MARKER)))["owner"]["run"] == "r2"
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_dir_of_another_stage_or_of_nobody_is_refused_even_with_overwrite(tmp_path, overwrite):
+    foreign = tmp_path / "download"
+    foreign.mkdir()
+    _write(foreign / "config.json", "{}")
+    with pytest.raises(OutputError, match="holds files no minilm-az stage wrote \\(config.json\\)"):
+        claim(str(foreign), "train.py", overwrite, run="r")
+    assert os.listdir(foreign) == ["config.json"]  # a refusal creates nothing, not even the lock file
+    tok = str(tmp_path / "tok")
+    with staged_output(tok, stage="tokenize train") as tmp:
+        _write(os.path.join(tmp, "tokenizer.json"))
+    lock, _ = claim(tok, "tokenize train", True)  # its own stage may replace it
+    lock.close()
+    with pytest.raises(OutputError, match="holds the output of `tokenize train`"):
+        claim(tok, "finetune.py", overwrite, run="r")
+
+
+def test_a_dir_holding_only_a_marker_or_dotfiles_counts_as_empty(tmp_path):
+    out = str(tmp_path / "out")
+    claim(out, "finetune.py", False, run="r1")[0].close()  # a run that stopped before it wrote anything
+    _write(os.path.join(out, ".hidden"))
+    lock, replacing = claim(out, "train.py", False, run="other")
+    lock.close()
+    assert not replacing and json.load(open(os.path.join(out, MARKER)))["owner"]["stage"] == "finetune.py"
+
+
+def test_the_lock_refuses_a_second_holder_and_is_gone_with_the_process(tmp_path):
+    path = str(tmp_path / "ckpt")
+    held = lock_dir(path, "--checkpoint-dir")
+    code = f"from minilm_az.outputs import lock_dir; lock_dir({path!r}, '--checkpoint-dir')"
+    other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert other.returncode != 0 and "another run is writing there now" in other.stderr
+    held.close()
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_a_write_error_is_one_line_with_the_path_and_the_free_space(tmp_path):
+    from safetensors import SafetensorError
+
+    out = str(tmp_path / "out")
+    with pytest.raises(OSError) as e, staged_output(out, stage="hf-model"):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+    text = str(e.value)
+    assert text.startswith(f"{out}: cannot write the output (Error while serializing") and "GiB free there" in text
+    assert "\n" not in text and not os.path.exists(out)  # the failed first write left nothing
+    with pytest.raises(OSError, match=r": cannot write the output \(No space left on device; [\d.]+ GiB free"):
+        with staged_output(out, stage="hf-model") as tmp:
+            save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))
+            raise OSError(28, "No space left on device")
+
+
+def test_ctrl_c_publishes_the_written_checkpoint_and_exits_130_in_one_line(
+    tmp_path, small_tokenizer_dir, container_shards_dir
+):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--phase",
+        "2",
+        "--tokenizer",
+        small_tokenizer_dir,
+        "--data",
+        container_shards_dir,
+    ]
+    cmd += ["--steps", "100000", "--seq-len", "32", "--global-batch", "2", "--eval-batches", "1"]
+    cmd += ["--checkpoint-every", "20", "--log-every", "1", "--device", "cpu", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("checkpoint step=20"):
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: interrupted after step "), err
+    assert "Traceback" not in err + rest
+    ckpt = out / "checkpoints" / "phase2"
+    names = step_dirs(str(ckpt))
+    assert names and names[0] in lines[0] and check(str(ckpt / names[0])) is None
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".sagemaker-ignore")]  # no save was left half-written
