@@ -172,6 +172,8 @@ def eval_only(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> Non
     """Bits per byte of --base-model as it is (the plan transfers no vocabulary and freezes nothing)."""
     need_dir(plan.flags.base_model, "--base-model", "the model to evaluate")
     tok = tk.load_tokenizer(need_dir(plan.flags.tokenizer, "--tokenizer", "the model's own tokenizer"))
+    must = {"model": checkpoint.model_fingerprint(plan.flags.base_model), "text": plan.flags.eval_text}
+    checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc, log)
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log)
     log.log("eval", step=0, **evaluate(model, eval_tokens(plan, tok), tk.token_byte_lengths(tok), plan, proc, log, 0))
 
@@ -279,7 +281,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # The paths are checked on every host, and a problem on one host stops them all with its reason.
         plan = parallel.agree(lambda: resolve(flags, proc.world_size), proc)
-        # Files appear at the first record, after the input checks; --eval-only writes one only where --out says.
         jsonl = None if flags.eval_only and not flags.out else os.path.join(plan.out, "metrics.jsonl")
         log = MetricLogger(jsonl, enabled=proc.is_main, tensorboard=tensorboard_dir(flags.tensorboard, plan.out))
         try:

@@ -175,6 +175,7 @@ def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None
     # RNG of this rank, and (rank 0) the run's state: both of the moment the model state is snapshotted.
     rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
     save_file(rng, os.path.join(tmp, f"rng-{rank:05d}.safetensors"))
+    os.chmod(os.path.join(tmp, f"rng-{rank:05d}.safetensors"), 0o644)  # safetensors writes 0600; DCP's files are 0644
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
         atomic_write_json(os.path.join(tmp, "train_state.json"), {**train_state, "step": step, "world_size": world})
@@ -434,9 +435,12 @@ class Checkpointer:
         return 0
 
 
-def claim_run(out: str, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> tuple:
+def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> tuple:
     """The writer rank takes --out for this run and locks a --checkpoint-dir outside it (outputs.claim's rule), then
-    the log's file opens: (the held locks, whether this run starts fresh). Collective."""
+    the log's file opens: (the held locks, whether this run starts fresh). Collective. No --out: nothing to take."""
+    if out is None:
+        log.open()
+        return [], True
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
 
     def take() -> tuple[list, bool]:

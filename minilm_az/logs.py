@@ -136,11 +136,17 @@ class MetricLogger:
         self.held: list[str] | None = []  # the records before open()
 
     def open(self) -> None:
-        if self.enabled and self.jsonl and self.held is not None:
+        held, self.held = self.held or [], None
+        for record in held:
+            self._write(record)
+
+    def _write(self, record: str) -> None:
+        if self.jsonl and self.file is None:  # made at the first record, in a directory the run owns
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
             self.file = open(self.jsonl, "a", encoding="utf-8")
-            self.file.writelines(self.held)
-        self.held = None
+        if self.file is not None:
+            self.file.write(record)
+            self.file.flush()
 
     def log(self, stream: str, **metrics: Any) -> None:
         if not self.enabled:
@@ -150,9 +156,8 @@ class MetricLogger:
         record = json.dumps({"kind": stream, "time": round(time.time(), 3), **kept}) + "\n"
         if self.held is not None:
             self.held.append(record)
-        elif self.file is not None:
-            self.file.write(record)
-            self.file.flush()
+        else:
+            self._write(record)
         if self.held is None and self.tensorboard and isinstance(metrics.get("step"), int):
             if self.writer is None:  # the tensorboard extra: the flags refuse --tensorboard without it
                 from torch.utils.tensorboard import SummaryWriter

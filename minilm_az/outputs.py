@@ -304,7 +304,8 @@ def _check_no_conflicts(out_dir: str, files: list[str]) -> None:
 
 def _move_in(stage_dir: str, out_dir: str, files: list[str]) -> None:
     """Rename each staged file into out_dir (same file system), creating subdirectories as needed."""
-    for rel in files:
+    for rel in files:  # readable by others like any file (safetensors writes 0600), and on disk before the renames
+        os.chmod(os.path.join(stage_dir, rel), 0o666 & ~_umask())
         _fsync(os.path.join(stage_dir, rel))
     dirs = {out_dir}
     for rel in files:

@@ -138,3 +138,13 @@ def test_ctrl_c_publishes_the_written_checkpoint_and_exits_130_in_one_line(
     names = step_dirs(str(ckpt))
     assert names and names[0] in lines[0] and check(str(ckpt / names[0])) is None
     assert not [n for n in os.listdir(ckpt) if n.endswith(".sagemaker-ignore")]  # no save was left half-written
+
+
+def test_weights_are_written_readable_by_others_like_every_other_file(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with staged_output(str(tmp_path / "m"), stage="hf-model") as tmp:
+            save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))  # safetensors makes it 0600
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "m" / "model.safetensors").st_mode & 0o777 == 0o644
