@@ -93,7 +93,7 @@ class TrainConfig(LoopFlags):
         "sequences per GPU per forward (default: the largest <= 14 that divides the global batch's share of each GPU)",
         lo=1,
     )
-    global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)", lo=1)
+    global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)", lo=1, hi=1 << 20)
     eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0)
     eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
@@ -191,7 +191,7 @@ class FinetuneConfig(LoopFlags):
         "divides each process's share of --global-batch); packed, it sets --max-tokens-per-forward's default",
         lo=1,
     )
-    global_batch: int = _f(16, "conversations per step, all processes", lo=1)
+    global_batch: int = _f(16, "conversations per step, all processes", lo=1, hi=1 << 20)
     eval_every: int = _f(50, "val loss every N steps", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
     seed: int = _f(0, "seed for the adapter init, dropout and the data order")

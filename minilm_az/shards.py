@@ -5,7 +5,7 @@ fits, else uint32) and an `index.json`:
 
     {"format": 1, "dtype": "uint16", "vocab_size": 8000, "tokenizer_hash": "<sha256>", "eos_id": 1,
      "splits": {"train": {"tokens": ..., "documents": ..., "bytes": ...,
-                          "shards": [{"file": "train_00000.bin", "tokens": ...}, ...]},
+                          "max_id": ..., "shards": [{"file": "train_00000.bin", "tokens": ..., "max_id": ...}]},
                 "val": {...}}, ...}
 
 A split is the concatenation of its shards in order (documents may cross shard boundaries). Each
@@ -14,13 +14,14 @@ matching off, so `eos_id` occurs nowhere else and splitting a split at `eos_id` 
 documents in order (`TokenStream.documents()`). `bytes` is the UTF-8 size of the documents' text
 after NFC normalisation (what the tokenizer sees); the EOS separators count as tokens, 0 bytes.
 BPB over a whole split is `nll_bits / bytes`; over a window, sum per-token byte lengths instead
-(`tokenizer.token_byte_lengths`).
+(`tokenizer.token_byte_lengths`). `max_id` is the largest token id in a shard (in a split: over its shards).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import queue
 import threading
@@ -46,8 +47,6 @@ def split_of(text: str, val_fraction: float) -> str:
 
     Identical documents always land in the same split, so exact duplicates never leak across.
     """
-    if val_fraction <= 0:
-        return "train"
     h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
     return "val" if h < val_fraction * 2**64 else "train"
 
@@ -74,15 +73,9 @@ class ShardWriter:
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir, self.shard_tokens = out_dir, shard_tokens
         self.dtype = np.dtype(dtype_for(vocab_size)).newbyteorder("<")
-        self.index = {
-            "format": FORMAT,
-            "dtype": dtype_for(vocab_size),
-            "vocab_size": vocab_size,
-            "tokenizer_hash": tokenizer_hash,
-            "eos_id": eos_id,
-            "splits": {s: {"tokens": 0, "documents": 0, "bytes": 0, "shards": []} for s in SPLITS},
-            **(meta or {}),
-        }
+        splits = {s: {"tokens": 0, "documents": 0, "bytes": 0, "max_id": 0, "shards": []} for s in SPLITS}
+        header = dict(format=FORMAT, dtype=dtype_for(vocab_size), vocab_size=vocab_size, tokenizer_hash=tokenizer_hash)
+        self.index = {**header, "eos_id": eos_id, "splits": splits, **(meta or {})}
         self._files: dict[str, object] = {}
 
     def add(self, split: str, ids: np.ndarray, documents: int, nbytes: int) -> None:
@@ -99,7 +92,9 @@ class ShardWriter:
             head, ids = ids[:room], ids[room:]
             self._files[split].write(head.tobytes())
             shards[-1]["tokens"] += int(head.size)
+            shards[-1]["max_id"] = max(shards[-1]["max_id"], int(head.max()))
             info["tokens"] += int(head.size)
+            info["max_id"] = max(info["max_id"], shards[-1]["max_id"])
 
     def _roll(self, split: str) -> None:
         if split in self._files:
@@ -107,7 +102,7 @@ class ShardWriter:
         shards = self.index["splits"][split]["shards"]
         name = f"{split}_{len(shards):05d}.bin"
         self._files[split] = open(os.path.join(self.out_dir, name), "wb")
-        shards.append({"file": name, "tokens": 0})
+        shards.append({"file": name, "tokens": 0, "max_id": 0})
 
     def close(self) -> dict:
         """Close the shard files and write index.json (last, so its presence means complete)."""
@@ -168,8 +163,7 @@ def _batches(tagged: Iterable[tuple[str | None, str]], val_fraction: float, batc
         nbytes[split] += len(text.encode("utf-8"))
         if nbytes[split] >= batch_bytes:
             yield split, texts[split], nbytes[split]
-            texts[split] = []
-            nbytes[split] = 0
+            texts[split], nbytes[split] = [], 0
     for split in SPLITS:
         if texts[split]:
             yield split, texts[split], nbytes[split]
@@ -217,30 +211,59 @@ def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
 # --- read --------------------------------------------------------------------------------------------
 
 
+class ShardIndexError(ValueError):
+    """index.json does not describe its shard directory (the message names the file and the field)."""
+
+
 def load_index(data_dir: str) -> dict:
-    """Read and check `<data_dir>/index.json`; a clear error if it is missing, corrupt or incomplete."""
+    """Read `<data_dir>/index.json`, checked against the format: field types, shard files inside `data_dir` (symlinks
+    followed) of the size their tokens take, ids below `vocab_size`, split totals; any fault is one ShardIndexError."""
     path = os.path.join(data_dir, "index.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"no index.json in {data_dir}: not a token-shard directory (make one with `tokenize.py encode`)"
-        )
-    index = read_json(path)
-    if index.get("format") != FORMAT:
-        raise ValueError(f"{path}: unsupported shard format {index.get('format')!r} (expected {FORMAT})")
-    for key in ("dtype", "vocab_size", "tokenizer_hash", "eos_id", "splits"):
-        if key not in index:
-            raise ValueError(f"{path}: corrupt index (missing {key!r})")
-    if index["dtype"] not in ("uint16", "uint32"):
-        raise ValueError(f"{path}: unsupported dtype {index['dtype']!r}")
+        raise FileNotFoundError(f"no index.json in {data_dir}: not token shards from `tokenize.py encode`")
+    index, root = read_json(path), os.path.realpath(data_dir)
+
+    def need(ok: bool, field: str, value: object, why: str) -> None:
+        if not ok:
+            raise ShardIndexError(f"{path}: {field} {json.dumps(value)[:80]} {why}")
+
+    def count(value: object) -> bool:
+        return type(value) is int and value >= 0  # a JSON integer: Python's bool is an int, JSON's true is not
+
+    fmt, dtype, vocab, eos = (index.get(key) for key in ("format", "dtype", "vocab_size", "eos_id"))
+    need(count(fmt) and fmt == FORMAT, "format", fmt, f"is not a supported shard format (expected {FORMAT})")
+    need(dtype in ("uint16", "uint32"), "dtype", dtype, 'is not "uint16" or "uint32"')
+    need(count(vocab) and vocab <= np.iinfo(dtype).max + 1, "vocab_size", vocab, f"is not a count that {dtype} holds")
+    below, little = f"is not a token id below vocab_size {vocab}", np.dtype(dtype).newbyteorder("<")
+    need(count(eos) and eos < vocab, "eos_id", eos, below)
+    need(isinstance(index.get("tokenizer_hash"), str), "tokenizer_hash", index.get("tokenizer_hash"), "is not a string")
+    need(isinstance(index.get("splits"), dict), "splits", index.get("splits"), "is not an object")
     for name, split in index["splits"].items():
-        for key in ("tokens", "documents", "bytes", "shards"):
-            if key not in split:
-                raise ValueError(f"{path}: corrupt index (split {name!r} lacks {key!r})")
+        at = f"splits.{name}"
+        ok = isinstance(split, dict) and isinstance(split.get("shards"), list)
+        ok = ok and count(split.get("documents")) and count(split.get("bytes"))
+        need(ok, at, split, "is not an object with a shards list and counts of documents and bytes")
+        for i, shard in enumerate(split["shards"]):
+            on = f"{at}.shards[{i}]"
+            ok = isinstance(shard, dict) and isinstance(shard.get("file"), str) and count(shard.get("tokens"))
+            need(ok, on, shard, "is not an object with a file name and a token count")
+            file = os.path.realpath(os.path.join(data_dir, shard["file"]))
+            need(file.startswith(root + os.sep), f"{on}.file", shard["file"], f"points outside {data_dir}")
+            want = shard["tokens"] * little.itemsize
+            got = f"{os.path.getsize(file)} bytes" if os.path.isfile(file) else "missing"
+            need(got == f"{want} bytes", f"{on}.file", shard["file"], f"is {got}, not {want} bytes")
+            if "max_id" not in shard:  # An older index.json. Reading the shard once is cheap next to training on it.
+                shard["max_id"] = int(np.memmap(file, little, mode="r").max()) if want else 0
+            need(count(shard["max_id"]) and shard["max_id"] < vocab, f"{on}.max_id", shard["max_id"], below)
+        tokens = sum(shard["tokens"] for shard in split["shards"])
+        need(split.get("tokens") == tokens, f"{at}.tokens", split.get("tokens"), f"is not its shards' total {tokens}")
+        top = max((shard["max_id"] for shard in split["shards"]), default=0)
+        need(split.setdefault("max_id", top) == top, f"{at}.max_id", split["max_id"], f"is not its shards' max {top}")
     return index
 
 
 def check_tokenizer(index: dict, tokenizer_hash: str, vocab_size: int | None = None) -> None:
-    """Raise ValueError unless the shards were written with this tokenizer (hash, and vocab size)."""
+    """Raise ValueError unless the shards were written with this tokenizer: its hash, a vocabulary holding every id."""
     if index["tokenizer_hash"] != tokenizer_hash:
         raise ValueError(
             f"token shards were written with tokenizer {index['tokenizer_hash'][:12]}..., "
@@ -257,7 +280,7 @@ class TokenStream:
     """
 
     def __init__(self, data_dir: str, split: str = "train"):
-        self.index = load_index(data_dir)
+        self.index = load_index(data_dir)  # checked: every shard file is inside data_dir and holds its tokens
         if split not in self.index["splits"]:
             raise ValueError(f"{data_dir}: no split {split!r} (has {sorted(self.index['splits'])})")
         self.split, self.data_dir = split, data_dir
@@ -265,13 +288,6 @@ class TokenStream:
         self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         info = self.index["splits"][split]
         self._shards = [shard for shard in info["shards"] if shard["tokens"] > 0]
-        for shard in self._shards:
-            path = os.path.join(data_dir, shard["file"])
-            want = shard["tokens"] * self.dtype.itemsize
-            have = os.path.getsize(path) if os.path.isfile(path) else None
-            if have != want:
-                got = "missing" if have is None else f"{have} bytes"
-                raise ValueError(f"{path}: shard is {got}, index.json says {want} bytes ({shard['tokens']} tokens)")
         self._ends = np.cumsum([shard["tokens"] for shard in self._shards], dtype=np.int64)
         self.num_tokens = int(self._ends[-1]) if len(self._ends) else 0
         self.num_documents = info["documents"]
@@ -293,8 +309,7 @@ class TokenStream:
         filled = 0
         while filled < length:
             pos = start + filled  # the position in the split
-            shard_start = int(self._ends[shard - 1]) if shard else 0
-            offset = pos - shard_start
+            offset = pos - (int(self._ends[shard - 1]) if shard else 0)  # the position in the shard
             take = min(length - filled, int(self._ends[shard]) - pos)
             out[filled : filled + take] = self._map(shard)[offset : offset + take]
             filled += take

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import shutil
 import unicodedata
 
 import numpy as np
@@ -138,20 +139,22 @@ def test_bad_shard_directories_are_named(tmp_path, shard_dir):
     with pytest.raises(ValueError, match="index.json: not valid JSON"):
         shards.load_index(str(tmp_path))
     (tmp_path / "index.json").write_text(json.dumps({"format": 2}))
-    with pytest.raises(ValueError, match="unsupported shard format 2"):
+    with pytest.raises(ValueError, match="format 2 is not a supported shard format"):
         shards.load_index(str(tmp_path))
     (tmp_path / "index.json").write_text(json.dumps({"format": 1, "dtype": "uint16"}))
-    with pytest.raises(ValueError, match="missing 'vocab_size'"):
+    with pytest.raises(ValueError, match="vocab_size null is not a count"):
         shards.load_index(str(tmp_path))
     with pytest.raises(ValueError, match="no split 'test'"):
         shards.TokenStream(shard_dir, "test")
     # a truncated shard file
     index = shards.load_index(shard_dir)
     (tmp_path / "index.json").write_text(json.dumps(index))
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            shutil.copyfile(os.path.join(shard_dir, shard["file"]), tmp_path / shard["file"])
     first = index["splits"]["val"]["shards"][0]["file"]
-    with open(os.path.join(shard_dir, first), "rb") as f:
-        (tmp_path / first).write_bytes(f.read()[:-2])
-    with pytest.raises(ValueError, match=f"{first}: shard is .* bytes, index.json says"):
+    os.truncate(tmp_path / first, os.path.getsize(tmp_path / first) - 2)
+    with pytest.raises(ValueError, match=rf"splits\.val\.shards\[0\]\.file \"{first}\" is \d+ bytes, not"):
         shards.TokenStream(str(tmp_path), "val")
 
 
@@ -173,3 +176,99 @@ def test_check_tokenizer_rejects_shards_of_another_tokenizer(shard_dir):
         shards.check_tokenizer(index, "0" * 64)
     with pytest.raises(ValueError, match="smaller than the shards' 600"):
         shards.check_tokenizer(index, "h" * 64, vocab_size=500)
+
+
+# ---------------------------------------------------------------- index.json is checked at the boundary
+
+
+def small_shards(path) -> str:
+    """Two train shards and one val shard of a 600-id vocabulary (EOS 1), ids up to 599."""
+    w = shards.ShardWriter(str(path), vocab_size=600, eos_id=1, tokenizer_hash="h" * 64, shard_tokens=4)
+    w.add("train", np.array([5, 599, 7, 1, 8, 1]), documents=2, nbytes=10)
+    w.add("val", np.array([9, 1]), documents=1, nbytes=3)
+    w.close()
+    return str(path)
+
+
+def test_encode_records_the_max_token_id_of_each_shard_and_split(tmp_path):
+    index = shards.load_index(small_shards(tmp_path / "s"))
+    train = index["splits"]["train"]
+    assert [s["max_id"] for s in train["shards"]] == [599, 8]
+    assert train["max_id"] == 599 and index["splits"]["val"]["max_id"] == 9
+    on_disk = json.loads((tmp_path / "s" / "index.json").read_text())
+    assert on_disk["splits"]["train"]["shards"][1]["max_id"] == 8  # recorded in the file, not only checked
+
+
+def set_field(index: dict, dotted: str, value) -> None:
+    *parents, last = [int(key) if key.isdigit() else key for key in dotted.split(".")]
+    for key in parents:
+        index = index[key]
+    index[last] = value
+
+
+SHARD0 = "splits.train.shards.0"
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("format", "1", 'format "1" is not a supported shard format'),
+        ("format", True, "format true is not a supported"),
+        ("dtype", "int8", 'dtype "int8" is not'),
+        ("vocab_size", 70_000, "vocab_size 70000 is not a count that uint16 holds"),
+        ("vocab_size", "600", 'vocab_size "600" is not a count'),
+        ("eos_id", 600, "eos_id 600 is not a token id below vocab_size 600"),
+        ("tokenizer_hash", 5, "tokenizer_hash 5 is not a string"),
+        ("splits", [], "splits [] is not an object"),
+        ("splits.train", "x", 'splits.train "x" is not an object'),
+        ("splits.train.documents", -1, "splits.train {"),
+        (SHARD0, "train_00000.bin", 'splits.train.shards[0] "train_00000.bin" is not an object'),
+        (f"{SHARD0}.tokens", "4", "splits.train.shards[0] {"),
+        (f"{SHARD0}.tokens", 5, 'splits.train.shards[0].file "train_00000.bin" is 8 bytes, not 10 bytes'),
+        (f"{SHARD0}.file", "train_00009.bin", 'splits.train.shards[0].file "train_00009.bin" is missing'),
+        (f"{SHARD0}.file", "../outside.bin", 'splits.train.shards[0].file "../outside.bin" points outside'),
+        (f"{SHARD0}.file", "link.bin", 'splits.train.shards[0].file "link.bin" points outside'),
+        (f"{SHARD0}.file", "{outside}", "points outside"),
+        ("splits.train.tokens", 7, "splits.train.tokens 7 is not its shards' total 6"),
+        (f"{SHARD0}.max_id", 600, "splits.train.shards[0].max_id 600 is not a token id below vocab_size 600"),
+        ("splits.train.max_id", 598, "splits.train.max_id 598 is not its shards' max 599"),
+    ],
+)
+def test_index_json_is_checked_field_by_field_in_one_line(tmp_path, field, value, fragment):
+    data = small_shards(tmp_path / "s")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\0" * 8)  # the size the index asks for: only confinement refuses it
+    os.symlink(outside, tmp_path / "s" / "link.bin")
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    set_field(index, field, str(outside) if value == "{outside}" else value)
+    (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+    for load in (shards.load_index, shards.TokenStream):  # TokenStream reads through load_index
+        with pytest.raises(shards.ShardIndexError) as e:
+            load(data)
+        message = str(e.value)
+        assert message.startswith(f"{data}/index.json: ") and fragment in message and "\n" not in message, message
+    assert isinstance(e.value, ValueError)  # what train.py and tokenize.py turn into one line and exit 2
+
+
+def test_a_symlink_to_a_shard_inside_the_data_dir_is_read(tmp_path):
+    data = small_shards(tmp_path / "s")
+    os.rename(tmp_path / "s" / "val_00000.bin", tmp_path / "s" / "val.data")
+    os.symlink("val.data", tmp_path / "s" / "val_00000.bin")
+    assert shards.TokenStream(data, "val").get(0, 2).tolist() == [9, 1]
+
+
+def test_an_older_index_without_max_ids_is_scanned_and_ids_beyond_the_vocab_refused(tmp_path):
+    data = small_shards(tmp_path / "s")
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    for split in index["splits"].values():
+        del split["max_id"]
+        for shard in split["shards"]:
+            del shard["max_id"]
+    (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+    loaded = shards.load_index(data)
+    assert [s["max_id"] for s in loaded["splits"]["train"]["shards"]] == [599, 8]
+    assert loaded["splits"]["train"]["max_id"] == 599
+    # The second train shard gets id 650, beyond the 600 the tokenizer has: the scan finds it, the shard is named.
+    (tmp_path / "s" / "train_00001.bin").write_bytes(np.array([650, 1], dtype="<u2").tobytes())
+    with pytest.raises(shards.ShardIndexError, match=r"splits\.train\.shards\[1\]\.max_id 650 is not a token id below"):
+        shards.load_index(data)

@@ -1,11 +1,13 @@
 """Reading a corpus: plain and compressed text, JSON lines and Parquet, streamed one document at a time.
 
-Corpus files: `.txt` holds one document a line (`doc_sep="line"`) or blank-line separated
-documents (`doc_sep="blank"`); `.jsonl` holds one JSON object a line with a `text` field; either may
-be gzipped (`.gz`) or zstandard-compressed (`.zst`, as OSCAR ships `.jsonl.zst`); `.parquet` (FineWeb-2,
-CulturaX) holds the text in a string column (`text`), read one row group at a time, nulls skipped; a
-directory stands for the corpus files under it. Whitespace-only documents are skipped. Files are
-streamed, never read whole.
+Corpus files: `.txt` holds one document a line (`doc_sep="line"`) or blank-line separated documents
+(`doc_sep="blank"`); `.jsonl` holds one JSON object a line with a `text` field, and so must `.json` (a .json
+file whose first line is not an object is refused by name); either may be gzipped (`.gz`) or
+zstandard-compressed (`.zst`, as OSCAR ships `.jsonl.zst`); `.parquet` (FineWeb-2, CulturaX) holds the text in a
+string column (`text`), read one row group at a time, nulls skipped; a directory stands for the corpus files
+under it, and its other files are named in one warning line on stderr. Whitespace-only documents are skipped.
+Compressed files are read to their end-of-stream marker, so a truncated one is an error, not a shorter corpus.
+Files are streamed, never read whole.
 
 Plain and gzipped text needs only the standard library. `.zst` needs zstandard and `.parquet` needs pyarrow:
 both come with the `prep` extra (`pip install -e '.[prep]'`), and a file that needs one without it is one
@@ -19,11 +21,17 @@ import importlib
 import io
 import json
 import os
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 
-CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", ".txt.zst", ".jsonl.zst", ".parquet")
+from minilm_az.outputs import MARKER
+
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".json", ".txt.gz", ".jsonl.gz", ".txt.zst", ".jsonl.zst", ".parquet")
+JSON_LINES = (".jsonl", ".json", ".jsonl.gz", ".jsonl.zst")
+# What tokenize.py clean writes beside its corpus files: its report and the output marker, no corpus text.
+OWN_FILES = ("clean_report.json", MARKER)
 
 
 class CorpusError(ValueError):
@@ -50,14 +58,25 @@ def _zstd_error() -> type[Exception]:
 
 
 def corpus_files(paths: Iterable[str]) -> list[str]:
-    """Expand corpus paths (files and directories, searched recursively) into a sorted file list."""
+    """Expand corpus paths (files and directories, searched recursively) into a sorted file list.
+
+    A directory's files of no corpus kind are named in one warning line on stderr, not skipped silently (hidden
+    files and folders, and tokenize.py clean's own report and marker, are left out without a word).
+    """
     files: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            found = []
+            found, skipped = [], []
             for root, dirs, names in os.walk(p):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                found += [os.path.join(root, n) for n in sorted(names) if n.endswith(CORPUS_SUFFIXES)]
+                for name in sorted(n for n in names if not n.startswith(".") and n not in OWN_FILES):
+                    if name.endswith(CORPUS_SUFFIXES):
+                        found.append(os.path.join(root, name))
+                    else:
+                        skipped.append(os.path.join(root, name))
+            if skipped:
+                names = ", ".join(os.path.relpath(f, p) for f in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
+                print(f"warning: {p}: skipped {len(skipped)} files that are not corpus files: {names}", file=sys.stderr)
             if not found:
                 raise CorpusError(f"no corpus files ({', '.join(CORPUS_SUFFIXES)}) under directory {p}")
             files += found
@@ -69,7 +88,33 @@ def corpus_files(paths: Iterable[str]) -> list[str]:
             raise CorpusError(f"corpus path not found: {p}")
     if not files:
         raise CorpusError("no corpus paths given")
+    for path in files:
+        if path.endswith(".json"):
+            _check_json_lines(path)
     return list(dict.fromkeys(files))
+
+
+def _check_json_lines(path: str) -> None:
+    """Refuse a .json file before any work unless its first line is a JSON object; the reader checks every line.
+
+    A .json file is as often one pretty-printed object or an array as JSON lines: refused here, it is named at
+    once rather than after the files before it have been read.
+    """
+    with open(path, "rb") as f:
+        line = f.readline(1 << 20)
+        while line and not line.strip():
+            line = f.readline(1 << 20)
+    if not line or len(line) == 1 << 20:  # empty (the corpus-is-empty check names it), or one long line
+        return
+    try:
+        ok = isinstance(json.loads(line.decode("utf-8-sig")), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise CorpusError(
+            f"{path}: a .json corpus file must be JSON lines (one object with a text field a line), and its first "
+            "line is not one; convert it, or move it out of the corpus"
+        )
 
 
 def iter_documents(
@@ -102,7 +147,7 @@ def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str
     if path.endswith(".parquet"):
         yield from _parquet_documents(path, text_field, on_bytes)
         return
-    jsonl = path.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))
+    jsonl = path.endswith(JSON_LINES)
     with open(path, "rb") as raw:
         stream = _decompressed(raw, path)
         offset, reported, paragraph = 0, 0, []
@@ -147,10 +192,52 @@ def _decompressed(raw, path: str):
     if path.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if path.endswith(".zst"):
-        # read_across_frames: a file made of several concatenated frames (zstd's streaming writers) reads whole
-        zstandard = need_extra("zstandard", path)
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        return io.BufferedReader(_ZstdFrames(raw, need_extra("zstandard", path)))
     return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file's decompressed bytes, frame after frame, ending in EOFError if the last frame is cut short.
+
+    zstandard's own `stream_reader` ends quietly inside a truncated frame, so a file copied halfway would read as
+    a shorter corpus. Here each frame has its own decompressor, whose `eof` says whether the frame was complete.
+    A file of several concatenated frames (what zstd's streaming writers make) reads whole.
+    """
+
+    def __init__(self, raw, zstandard: ModuleType):
+        self.raw = raw
+        self.zstd = zstandard.ZstdDecompressor()
+        self.frame = self.zstd.decompressobj()
+        self.in_frame = False  # True while a frame has begun and not yet ended
+        self.out = b""  # the last decompressed bytes; self.pos of them have been read
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.pos == len(self.out):
+            data = self.raw.read(1 << 17)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("the file ends inside a zstd frame: it is truncated")
+                return 0
+            self.out, self.pos = self._decompress(data), 0
+        n = min(len(buffer), len(self.out) - self.pos)
+        buffer[:n] = memoryview(self.out)[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            out.append(self.frame.decompress(data))
+            self.in_frame = not self.frame.eof
+            if self.in_frame:
+                break  # the frame continues in the next read
+            data = self.frame.unused_data  # the next frame's start, if any
+            self.frame = self.zstd.decompressobj()
+        return b"".join(out)
 
 
 def _parquet_documents(path: str, text_field: str, on_bytes) -> Iterator[str]:
