@@ -125,11 +125,20 @@ def baseline_tokenizer_json(path: str | None = None) -> tuple[str, str]:
 
 
 def prepare_run_dir(run: str) -> None:
-    """An empty run dir: a previous demo's is replaced, anything else is left alone."""
-    if os.path.exists(run):
-        if os.listdir(run) and not os.path.isfile(os.path.join(run, MARKER)):
-            raise SystemExit(f"demo: {run} exists and is not a demo run (no {MARKER}); pick another --name")
-        shutil.rmtree(run)
+    """The run dir, under the stages' ownership rule: a new one, or a previous demo's, of which only what its
+    demo.json lists is removed (files someone added stay); a directory without demo.json is refused."""
+    marker = os.path.join(run, MARKER)
+    if os.path.isdir(run) and os.listdir(run) and not os.path.isfile(marker):
+        raise SystemExit(f"demo: {run} exists and is not a demo run (no {MARKER}); pick another --name")
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            wrote = json.load(f).get("entries", os.listdir(run))  # an older demo.json: everything, as before
+        for name in {os.path.basename(str(n)) for n in wrote} - {"", ".", ".."}:  # plain names, inside run only
+            path = os.path.join(run, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
     os.makedirs(os.path.join(run, "logs"))
 
 
@@ -459,6 +468,7 @@ def run_demo(
     run = os.path.abspath(os.path.join(runs_dir, name))
     base_json, base_name = baseline_tokenizer_json(baseline)
     prepare_run_dir(run)
+    theirs = set(os.listdir(run)) - {"logs"}  # files someone keeps in the run dir: never the demo's to remove
     base_tok = os.path.join(run, "baseline_tokenizer")
     os.makedirs(base_tok)
     shutil.copyfile(base_json, os.path.join(base_tok, "tokenizer.json"))
@@ -475,6 +485,7 @@ def run_demo(
     }
 
     def save_meta():
+        meta["entries"] = sorted(set(os.listdir(run)) - theirs | {MARKER})  # what a rerun may remove
         with open(os.path.join(run, MARKER), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
 

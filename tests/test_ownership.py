@@ -148,3 +148,16 @@ def test_weights_are_written_readable_by_others_like_every_other_file(tmp_path):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "m" / "model.safetensors").st_mode & 0o777 == 0o644
+
+
+def test_a_demo_rerun_removes_only_what_its_demo_json_lists(tmp_path):
+    from demo import run as demo
+
+    run, outside = tmp_path / "demo", tmp_path / "outside"
+    (run / "tokenizer").mkdir(parents=True)
+    outside.mkdir()
+    _write(outside / "victim.txt")
+    _write(run / "notes.md", "mine")  # added by a person after the demo ran
+    (run / demo.MARKER).write_text(json.dumps({"entries": ["tokenizer", "../outside", demo.MARKER]}))
+    demo.prepare_run_dir(str(run))
+    assert sorted(os.listdir(run)) == ["logs", "notes.md"] and os.listdir(outside) == ["victim.txt"]
