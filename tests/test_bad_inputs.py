@@ -257,6 +257,205 @@ LAUNCH = (
     "--instance-type ml.g5.xlarge"
 )
 
+
+def mdl_config_with(fx, w, **fields):
+    """A copy of the base model with these config.json fields set."""
+    out = model_copy(fx, w)
+    path = os.path.join(out["X"], "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**hf, **fields}, f, indent=2)
+    return out
+
+
+def mdl_mistral_config(fx, w):
+    """What a Mistral config says that a Llama's does not: it evaluated as a Llama (no sliding window)."""
+    return mdl_config_with(fx, w, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+
+
+def mdl_gelu_config(fx, w):
+    return mdl_config_with(fx, w, hidden_act="gelu")
+
+
+def mdl_int8_config(fx, w):
+    """torch_dtype int8: --merge wrote the merged model in it, every weight rounded to zero, with exit 0."""
+    return mdl_config_with(fx, w, torch_dtype="int8")
+
+
+def mdl_shard_outside(fx, w):
+    """A model whose index sends its only shard to ../outside/: a file the model dir does not hold."""
+    from safetensors import safe_open
+
+    out = model_copy(fx, w)
+    os.makedirs(os.path.join(w, "outside"))
+    outside = os.path.join(w, "outside", "model.safetensors")
+    os.replace(os.path.join(out["X"], "model.safetensors"), outside)
+    with safe_open(outside, "pt") as f:
+        weight_map = {name: "../outside/model.safetensors" for name in f.keys()}
+    with open(os.path.join(out["X"], "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return {**out, "O": outside}
+
+
+def mdl_nan_adapter(fx, w):
+    """The adapter with one NaN (a fine-tune that diverged): it answered "" at temperature 0, a traceback sampling."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = adapter_copy(fx, w)
+    weights = os.path.join(out["X"], "adapter_model.safetensors")
+    with safe_open(weights, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors[sorted(tensors)[-1]][0, 0] = float("nan")
+    save_file(tensors, weights, metadata=meta)
+    return out
+
+
+def mdl_check_no_training(r):
+    assert "finetune step=" not in r.stdout, "an unusable --merge dtype must be found before training starts"
+
+
+def own_foreign_model(fx, w):
+    """A model dir no minilm-az stage wrote (a download: config.json and weights, no marker)."""
+    out = model_copy(fx, w)
+    os.remove(os.path.join(out["X"], "minilm-az-output.json"))
+    return out
+
+
+def own_locked(fx, w):
+    """A shard dir another run is writing now: a process holds its lock for a minute."""
+    out = os.path.join(w, "shards")
+    os.makedirs(out)
+    lock = os.path.join(out, ".minilm-az.lock.sagemaker-ignore")
+    holder = f"import fcntl, time; f = open({lock!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True)"
+    holder += "; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE)
+    proc.stdout.readline()  # the lock is held once it prints
+    return {"X": out}
+
+
+def own_marker_through_link(fx, w):
+    """A tokenizer dir whose marker lists `sub/victim.txt`, where sub links to a directory outside it."""
+    out = tokenizer_copy(fx, w)
+    outside = os.path.join(w, "outside")
+    os.makedirs(outside)
+    with open(os.path.join(outside, "victim.txt"), "w") as f:
+        f.write("not the tokenizer's\n")
+    os.symlink(outside, os.path.join(out["X"], "sub"))
+    marker = os.path.join(out["X"], "minilm-az-output.json")
+    with open(marker) as f:
+        m = json.load(f)
+    m["outputs"][-1]["files"].append("sub/victim.txt")
+    with open(marker, "w") as f:
+        json.dump(m, f)
+    return {**out, "O": outside}
+
+
+def own_corpus_dir(fx, w):
+    d = os.path.join(w, "corpus")
+    os.makedirs(d)
+    _copy(FIREFOX, os.path.join(d, "firefox.txt"))
+    return {"C": d}
+
+
+def _inp_shards(fx, w, edit) -> dict:
+    """A copy of the shards S whose index.json `edit(index, dir)` changes; X is the copy."""
+    d = _copy(fx["S"], os.path.join(w, "shards"))
+    path = os.path.join(d, "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    edit(index, d)
+    with open(path, "w") as f:
+        json.dump(index, f)
+    return {"X": d}
+
+
+def inp_shard_outside_data(fx, w):
+    """splits.train.shards[0].file is "../outside.bin": a file beside --data, of exactly the size the index asks."""
+
+    def edit(index, d):
+        first = index["splits"]["train"]["shards"][0]
+        shutil.copyfile(os.path.join(d, first["file"]), os.path.join(w, "outside.bin"))
+        first["file"] = "../outside.bin"
+
+    return {**_inp_shards(fx, w, edit), "OUTSIDE": os.path.join(w, "outside.bin")}
+
+
+def inp_shard_tokens_string(fx, w):
+    """splits.train.shards[0].tokens as a string (a hand edit): a TypeError traceback before index.json was checked."""
+
+    def edit(index, d):
+        first = index["splits"]["train"]["shards"][0]
+        first["tokens"] = str(first["tokens"])
+
+    return _inp_shards(fx, w, edit)
+
+
+def inp_ids_beyond_vocab(fx, w):
+    """Token id 420 in train's first shard of T's 400-id vocabulary (below the 448 embedding rows: it would train
+    silently), in an index.json from before max ids were recorded, so only a scan of the shard can find it."""
+
+    def edit(index, d):
+        for split in index["splits"].values():
+            split.pop("max_id", None)
+            for shard in split["shards"]:
+                shard.pop("max_id", None)
+        with open(os.path.join(d, index["splits"]["train"]["shards"][0]["file"]), "r+b") as f:
+            f.seek(2 * 10)
+            f.write((420).to_bytes(2, "little"))
+
+    return _inp_shards(fx, w, edit)
+
+
+def _inp_cut(w: str, name: str, packed: bytes) -> dict:
+    path = os.path.join(w, name)
+    with open(path, "wb") as f:
+        f.write(packed[: len(packed) // 2])  # a download or copy that stopped halfway
+    return {"X": path}
+
+
+def inp_cut_zst(fx, w):
+    import zstandard  # the prep extra, which the test environment has
+
+    with open(KDE, "rb") as f:
+        return _inp_cut(w, "kde.txt.zst", zstandard.ZstdCompressor().compress(f.read()))
+
+
+def inp_cut_gz(fx, w):
+    with open(KDE, "rb") as f:
+        return _inp_cut(w, "kde.txt.gz", gzip.compress(f.read()))
+
+
+def inp_corpus_dir(fx, w, json_text: str) -> dict:
+    """A corpus directory: kde.txt, a notes.md, and a meta.json holding `json_text`."""
+    d = os.path.join(w, "corpus")
+    os.makedirs(d)
+    _copy(KDE, os.path.join(d, "kde.txt"))
+    with open(os.path.join(d, "notes.md"), "w") as f:
+        f.write("# where the corpus came from\n")
+    with open(os.path.join(d, "meta.json"), "w", encoding="utf-8") as f:
+        f.write(json_text)
+    return {"X": d}
+
+
+def inp_pretty_json_in_corpus(fx, w):
+    return inp_corpus_dir(fx, w, json.dumps({"source": "kde", "license": "GPL"}, indent=2) + "\n")
+
+
+def inp_json_lines_in_corpus(fx, w):
+    return inp_corpus_dir(fx, w, "".join(json.dumps({"text": f"Sənəd {i}"}) + "\n" for i in range(7)))
+
+
+def inp_check_json_lines_read(r):
+    assert "skipped 1 files that are not corpus files: notes.md" in r.stderr, r.stderr
+    with open(os.path.join(r.paths["W"], "out", "index.json")) as f:
+        splits = json.load(f)["splits"]
+    with open(KDE, encoding="utf-8") as f:
+        kde_docs = sum(1 for line in f if line.strip())
+    assert sum(s["documents"] for s in splits.values()) == kde_docs + 7  # meta.json's 7 lines were read
+
+
 ROWS = [
     # ---- data loss
     Row(
@@ -581,8 +780,163 @@ ROWS = [
     ),
     Row("launcher_role_name", f"{LAUNCH} --region us-east-1 --role MyRole", fragment="--role", launcher=True),
     # ---- issue 29: ownership of outputs, one lock per output dir, Ctrl-C (lead)
+    Row(
+        "own_train_into_a_foreign_model_dir",
+        f"{TR} --out {{X}}",
+        fragment="--out {X}: holds files no minilm-az stage wrote",
+        protect=("{X}",),
+        prep=own_foreign_model,
+    ),
+    Row(
+        "own_train_into_another_runs_dir",
+        f"python train.py --phase 2 --tokenizer {{T}} --data {{S2}} {SMALL} --out {{X}}",
+        fragment="from other inputs",
+        protect=("{X}",),
+        prep=run_copy,
+    ),
+    Row(
+        "own_train_resume_never_into_a_run",
+        f"python train.py --phase 2 --base-model {{M}} --tokenizer {{T}} --data {{S}} {SMALL} --resume never "
+        "--out {X}",
+        fragment="pass --overwrite to replace it",
+        protect=("{X}",),
+        prep=run_copy,
+    ),
+    Row(
+        "own_finetune_into_a_tokenizer_dir",
+        f"{FT} --out {{X}}",
+        fragment="holds the output of `tokenize train`",
+        protect=("{X}",),
+        prep=tokenizer_copy,
+    ),
+    Row(
+        "own_finetune_into_a_model_dir_overwrite",
+        f"{FT} --overwrite --out {{X}}",
+        fragment="holds the output of `train.py`",
+        protect=("{X}",),
+        prep=model_copy,
+    ),
+    Row(
+        "own_encode_while_another_run_writes",
+        f"python tokenize.py encode --tokenizer {{T}} --corpus {KDE} --no-progress --out {{X}}",
+        fragment="another run is writing there now",
+        protect=("{X}",),
+        prep=own_locked,
+    ),
+    Row(
+        "own_overwrite_never_removes_through_a_link",
+        f"python tokenize.py train --vocab-size 300 --corpus {KDE} --no-progress --overwrite --out {{X}}",
+        code=0,
+        protect=("{O}",),
+        prep=own_marker_through_link,
+    ),
+    Row(
+        "own_report_json_inside_the_corpus_dir",
+        "python tokenize.py report --tokenizer {T} --corpus {C} --no-progress --json {C}/firefox.txt --overwrite",
+        fragment="--json {C}/firefox.txt is one of the inputs",
+        protect=("{C}",),
+        prep=own_corpus_dir,
+    ),
+    Row(
+        "own_finetune_epochs_0",
+        "python finetune.py --model {M} --data {CHAT} --epochs 0 --out {W}/out",
+        fragment="--epochs must be > 0",
+        absent=("{W}/out",),
+        fast=True,
+    ),
     # ---- issue 29: shard, corpus and compressed inputs validated at the boundary (inputs)
+    Row(
+        "inp_index_shard_file_outside_data",
+        f"python train.py --phase 2 --tokenizer {{T}} --data {{X}} {SMALL} --out {{W}}/out",
+        fragment='index.json: splits.train.shards[0].file "../outside.bin" points outside {X}',
+        protect=("{X}", "{OUTSIDE}"),
+        prep=inp_shard_outside_data,
+    ),
+    Row(
+        "inp_index_field_of_the_wrong_type",
+        f"python train.py --phase 2 --tokenizer {{T}} --data {{X}} {SMALL} --out {{W}}/out",
+        fragment='index.json: splits.train.shards[0] {{"file": "train_00000.bin", "tokens": "',
+        protect=("{X}",),
+        prep=inp_shard_tokens_string,
+    ),
+    Row(
+        "inp_token_ids_beyond_the_vocab",
+        f"python train.py --phase 2 --tokenizer {{T}} --data {{X}} {SMALL} --out {{W}}/out",
+        fragment="index.json: splits.train.shards[0].max_id 420 is not a token id below vocab_size 400",
+        protect=("{X}",),
+        prep=inp_ids_beyond_vocab,
+    ),
+    Row(
+        "inp_truncated_zst_corpus",
+        "python tokenize.py encode --no-progress --tokenizer {T} --corpus {X} --out {W}/out",
+        fragment="{X}: cannot read (the file ends inside a zstd frame",
+        protect=("{X}",),
+        prep=inp_cut_zst,
+    ),
+    Row(
+        "inp_truncated_gz_corpus",
+        "python tokenize.py encode --no-progress --tokenizer {T} --corpus {X} --out {W}/out",
+        fragment="{X}: cannot read (Compressed file ended before the end-of-stream marker",
+        protect=("{X}",),
+        prep=inp_cut_gz,
+    ),
+    Row(
+        "inp_json_not_json_lines_in_corpus_dir",
+        "python tokenize.py encode --no-progress --tokenizer {T} --corpus {X} --out {W}/out",
+        fragment="{X}/meta.json: a .json corpus file must be JSON lines",
+        protect=("{X}",),
+        absent=("{W}/out",),
+        prep=inp_pretty_json_in_corpus,
+        fast=True,
+    ),
+    Row(
+        "inp_json_lines_in_corpus_dir_are_read",
+        "python tokenize.py encode --no-progress --tokenizer {T} --corpus {X} --val-fraction 0.05 --out {W}/out",
+        code=0,
+        protect=("{X}",),
+        prep=inp_json_lines_in_corpus,
+        check=inp_check_json_lines_read,
+    ),
     # ---- issue 29: model dirs, adapters, dtypes, write errors (models)
+    Row(
+        "mdl_eval_only_mistral_config",
+        f"python train.py --eval-only --base-model {{X}} --tokenizer {{X}} --eval-text {KDE} --seq-len 32",
+        fragment="{X}/config.json: field 'model_type' is 'mistral'",
+        protect=("{X}",),
+        prep=mdl_mistral_config,
+    ),
+    Row(
+        "mdl_finetune_gelu_config",
+        f"python finetune.py --model {{X}} --data {{CHAT}} {SMALL_FT} --out {{W}}/out",
+        fragment="{X}/config.json: field 'hidden_act' is 'gelu'",
+        protect=("{X}",),
+        absent=("{W}/out/adapter_model.safetensors",),
+        prep=mdl_gelu_config,
+    ),
+    Row(
+        "mdl_merge_int8_torch_dtype",
+        f"python finetune.py --model {{X}} --data {{CHAT}} {SMALL_FT} --merge --out {{W}}/out",
+        fragment="{X}/config.json: field 'torch_dtype' is 'int8'",
+        protect=("{X}",),
+        absent=("{W}/out/adapter_model.safetensors", "{W}/out/merged"),
+        prep=mdl_int8_config,
+        check=mdl_check_no_training,
+    ),
+    Row(
+        "mdl_weight_map_outside_model_dir",
+        f"python finetune.py --model {{X}} --data {{CHAT}} {SMALL_FT} --out {{W}}/out",
+        fragment="{X}/model.safetensors.index.json: shard '../outside/model.safetensors' is outside {X}",
+        protect=("{X}", "{O}"),
+        absent=("{W}/out/adapter_model.safetensors",),
+        prep=mdl_shard_outside,
+    ),
+    Row(
+        "mdl_prompt_nan_adapter",
+        "python finetune.py --model {M} --adapter {X} --prompt Salam --max-new-tokens 4 --temperature 0.8",
+        fragment="{X}/adapter_model.safetensors: tensor",
+        protect=("{X}",),
+        prep=mdl_nan_adapter,
+    ),
 ]
 
 

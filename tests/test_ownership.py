@@ -121,11 +121,11 @@ def test_ctrl_c_publishes_the_written_checkpoint_and_exits_130_in_one_line(
         container_shards_dir,
     ]
     cmd += ["--steps", "100000", "--seq-len", "32", "--global-batch", "2", "--eval-batches", "1"]
-    cmd += ["--checkpoint-every", "20", "--log-every", "1", "--device", "cpu", "--out", str(out)]
+    cmd += ["--checkpoint-every", "4", "--log-every", "1", "--device", "cpu", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if line.startswith("checkpoint step=20"):
+        if line.startswith("checkpoint step=4"):
             break
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
