@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minilm_az.logs import MetricLogger
-from minilm_az.outputs import atomic_write_json, claim, file_sha256, inside, lock_dir, read_json
+from minilm_az.outputs import atomic_write_json, check_writable, claim, file_sha256, inside, lock_dir, read_json
 from minilm_az.parallel import Process, agree, all_reduce_sum
 
 
@@ -448,7 +448,11 @@ def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, pro
         lock, replacing = claim(out, stage, flags.overwrite, run, logs, resume=flags.resume == "auto")
         return [lock] + ([] if inside(out, ckpt_dir) else [lock_dir(ckpt_dir, "--checkpoint-dir")]), replacing
 
-    locks, replacing = agree(take if proc.is_main else lambda: ([], False), proc)
+    def probe() -> tuple[list, bool]:  # another host's own disk must take the saves too
+        check_writable(ckpt_dir, "--checkpoint-dir")
+        return [], False
+
+    locks, replacing = agree(take if proc.is_main else probe, proc)
     log.open()
     return locks, flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
 

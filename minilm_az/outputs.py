@@ -193,6 +193,16 @@ def lock_dir(path: str, flag: str) -> IO:
     return handle
 
 
+def check_writable(path: str, flag: str) -> None:
+    """Raise OSError, naming `flag`, if `path` cannot be written (ranks that hold no lock, before hours of work)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, f".write-test-{os.getpid()}"), "w") as probe:
+            os.remove(probe.name)
+    except OSError as e:
+        raise OSError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
 def _unlock(path: str, handle: IO, created: bool) -> None:
     # At exit the lock file goes, so a directory holds only what was written; a directory this run made and wrote
     # nothing into goes too (a refused or failed first run leaves nothing behind).
