@@ -222,7 +222,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     flags = plan.flags
     tok, stream, val = parallel.agree(lambda: load_inputs(plan, proc), proc)
     must, may = run_identity(plan)  # then --out is this run's, and a second run into it is refused
-    locks, fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc, log)
+    fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc, log)
     record = dataclasses.asdict(plan)
     log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)

@@ -435,26 +435,25 @@ class Checkpointer:
         return 0
 
 
-def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> tuple:
-    """The writer rank takes --out for this run and locks a --checkpoint-dir outside it (outputs.claim's rule), then
-    the log's file opens: (the held locks, whether this run starts fresh). Collective. No --out: nothing to take."""
-    if out is None:
-        log.open()
-        return [], True
+def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> bool:
+    """The writer rank takes --out for this run and locks a --checkpoint-dir outside it (outputs.claim's rule, held
+    until the process ends), then the log's file opens. Collective. Returns whether this run starts fresh."""
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
 
-    def take() -> tuple[list, bool]:
-        logs = ("metrics.jsonl", "tensorboard")
-        lock, replacing = claim(out, stage, flags.overwrite, run, logs, resume=flags.resume == "auto")
-        return [lock] + ([] if inside(out, ckpt_dir) else [lock_dir(ckpt_dir, "--checkpoint-dir")]), replacing
+    def take() -> bool:
+        if out is None:  # an --eval-only that writes no file
+            return True
+        if not proc.is_main:  # the writer holds the locks; another host's own disk must take the saves too
+            check_writable(ckpt_dir, "--checkpoint-dir")
+            return False
+        _, replacing = claim(out, stage, flags.overwrite, run, ("metrics.jsonl", "tensorboard"), flags.resume == "auto")
+        if not inside(out, ckpt_dir):
+            lock_dir(ckpt_dir, "--checkpoint-dir")
+        return replacing
 
-    def probe() -> tuple[list, bool]:  # another host's own disk must take the saves too
-        check_writable(ckpt_dir, "--checkpoint-dir")
-        return [], False
-
-    locks, replacing = agree(take if proc.is_main else probe, proc)
+    replacing = agree(take, proc)
     log.open()
-    return locks, flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
+    return flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
 
 
 # ---------------------------------------------------------------- run control: when the loop saves and stops

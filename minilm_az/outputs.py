@@ -129,18 +129,6 @@ def _write_marker(out_dir: str, records: list[dict], owner: dict | None = None) 
         os.remove(os.path.join(out_dir, MARKER))
 
 
-def written_by(out_dir: str, stage: str | None = None) -> dict | None:
-    """The marker record of `stage` in `out_dir` ({"stage", "files", "time", "complete"}), or None.
-
-    With no stage: the most recently written record. `complete` is False when a process died while
-    moving that output's files in (the directory then mixes old and new files).
-    """
-    records = _read_marker(out_dir)
-    if stage is not None:
-        records = [r for r in records if r.get("stage") == stage]
-    return records[-1] if records else None
-
-
 def inside(root: str, path: str) -> bool:
     """Whether `path` resolves (symlinks followed) inside `root`. Every path read from a file must: a marker, an
     index or an adapter is data on disk, and a name in it may not reach, or remove, a file elsewhere."""

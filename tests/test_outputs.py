@@ -1,6 +1,7 @@
 """Output directories written through outputs.staged_output: safe on a mount point, all-or-nothing, no stale files."""
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,6 @@ from minilm_az.outputs import (
     atomic_write_json,
     atomic_write_text,
     staged_output,
-    written_by,
 )
 
 CFG = ModelConfig(
@@ -68,6 +68,15 @@ def mount(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "rmdir", rmdir)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     return str(out)
+
+
+def written_by(out_dir, stage=None):
+    """The newest record of `stage` (any stage: None) in out_dir's marker, as a reader of the directory finds it;
+    `complete` is False when a process died while moving that output's files in."""
+    path = os.path.join(out_dir, MARKER)
+    records = json.load(open(path))["outputs"] if os.path.exists(path) else []
+    records = [r for r in records if stage is None or r["stage"] == stage]
+    return records[-1] if records else None
 
 
 def snapshot(path) -> dict[str, bytes]:
