@@ -320,9 +320,10 @@ def write_error(path: str, e: BaseException) -> OSError:
     where = path
     while not os.path.exists(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where) or "."
-    free = shutil.disk_usage(where).free / 2**30
+    free = shutil.disk_usage(where).free
     reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-    return OSError(f"{path}: cannot write the output ({reason}; {free:.1f} GiB free there)")
+    space = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+    return OSError(f"{path}: cannot write the output ({reason}; {space} free there)")
 
 
 def _now() -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,9 +99,9 @@ def test_a_write_error_is_one_line_with_the_path_and_the_free_space(tmp_path):
     with pytest.raises(OSError) as e, staged_output(out, stage="hf-model"):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
     text = str(e.value)
-    assert text.startswith(f"{out}: cannot write the output (Error while serializing") and "GiB free there" in text
+    assert text.startswith(f"{out}: cannot write the output (Error while serializing") and "B free there" in text
     assert "\n" not in text and not os.path.exists(out)  # the failed first write left nothing
-    with pytest.raises(OSError, match=r": cannot write the output \(No space left on device; [\d.]+ GiB free"):
+    with pytest.raises(OSError, match=r": cannot write the output \(No space left on device; [\d.]+ [GM]iB free"):
         with staged_output(out, stage="hf-model") as tmp:
             save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))
             raise OSError(28, "No space left on device")
@@ -161,3 +162,31 @@ def test_a_demo_rerun_removes_only_what_its_demo_json_lists(tmp_path):
     (run / demo.MARKER).write_text(json.dumps({"entries": ["tokenizer", "../outside", demo.MARKER]}))
     demo.prepare_run_dir(str(run))
     assert sorted(os.listdir(run)) == ["logs", "notes.md"] and os.listdir(outside) == ["victim.txt"]
+
+
+def _tmpfs_works() -> bool:
+    try:
+        probe = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$0"', "/tmp"])
+    except OSError:
+        return False
+    return os.geteuid() == 0 and probe.returncode == 0
+
+
+@pytest.mark.skipif(not _tmpfs_works(), reason="needs root and `unshare -m` to mount a small tmpfs")
+def test_a_full_disk_at_export_is_one_line_with_the_path_and_the_free_space(
+    tmp_path, small_tokenizer_dir, container_shards_dir
+):
+    # --out is a 256 KiB tmpfs (in a mount namespace of the command's own): the metrics fit, the weights do not.
+    out = tmp_path / "full"
+    out.mkdir()
+    cmd = [sys.executable, "train.py", "--phase", "2", "--tokenizer", small_tokenizer_dir, "--data"]
+    cmd += [container_shards_dir, "--steps", "2", "--seq-len", "32", "--global-batch", "2", "--eval-batches", "1"]
+    cmd += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--device", "cpu", "--out", str(out / "model")]
+    script = 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"'
+    p = subprocess.run(["unshare", "-m", "sh", "-c", script, str(out), *cmd], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith(f"train.py: error: {out / 'model'}: cannot write the output (")
+    assert re.search(r"No space left on device.*; [\d.]+ [KMG]?i?B free there\)$", lines[0]), lines[0]
+    assert check(str(tmp_path / "ckpt" / "phase2" / step_dirs(str(tmp_path / "ckpt" / "phase2"))[0])) is None
