@@ -844,6 +844,13 @@ ROWS = [
         absent=("{W}/out",),
         fast=True,
     ),
+    Row(
+        "own_train_huge_global_batch",  # numpy's MemoryError before: 745 GiB for the batch order
+        "python train.py --phase 2 --tokenizer {T} --data {S} --global-batch 100000000000 --out {W}/out",
+        fragment="--global-batch must be <= 1048576",
+        absent=("{W}/out",),
+        fast=True,
+    ),
     # ---- issue 29: shard, corpus and compressed inputs validated at the boundary (inputs)
     Row(
         "inp_index_shard_file_outside_data",
