@@ -111,6 +111,7 @@ def finish() -> None:
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(0.1)  # also after an error, which skips finish(): gloo's threads let go before shutdown
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
