@@ -26,17 +26,26 @@ else:
 
     from tqdm import tqdm
 
-    from minilm_az import shards
+    from minilm_az import outputs, shards
     from minilm_az import tokenizer as tk
     from minilm_az.config import TOKENIZE_CONFIGS
     from minilm_az.launch.flags import HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
-    from minilm_az.outputs import atomic_write_json, atomic_write_text, claim, inside, staged_output
+    from minilm_az.outputs import atomic_write_json, claim, inside, staged_output
     from minilm_az.prep import clean, fertility, readers
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "az")
 DEMO_TRAIN = [os.path.join(DATA_DIR, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
 DEMO_VAL = [os.path.join(DATA_DIR, "firefox.txt")]
+
+
+def claim_out(args, stage: str) -> None:
+    """--out under the one ownership rule (outputs.claim; its lock is held until the process ends), and never
+    inside a corpus directory: a rerun would read the first run's output as more corpus."""
+    for d in [*(args.corpus or []), *(getattr(args, "val_corpus", None) or [])]:
+        if os.path.isdir(d) and inside(d, args.out):
+            raise FileExistsError(f"--out {args.out} is inside the corpus directory {d}; choose a path outside it")
+    claim(args.out, stage, args.overwrite)
 
 
 def progress_bar(files: list[str], desc: str, enabled: bool) -> tqdm:
@@ -53,7 +62,7 @@ def read(files: list[str], args, bar: tqdm | None = None):
 
 def cmd_clean(args) -> None:
     files = readers.corpus_files(args.corpus or DEMO_TRAIN + DEMO_VAL)
-    lock, _ = claim(args.out, "tokenize clean", args.overwrite)  # held until the process ends
+    claim_out(args, "tokenize clean")
     rules = clean.Rules(**{f.name: getattr(args, f.name) for f in dataclasses.fields(clean.Rules)})
     t0 = time.time()
     with (
@@ -82,7 +91,7 @@ def cmd_clean(args) -> None:
 
 def cmd_train(args) -> None:
     files = readers.corpus_files(args.corpus or DEMO_TRAIN)
-    lock, _ = claim(args.out, "tokenize train", args.overwrite)  # held until the process ends
+    claim_out(args, "tokenize train")
     t0 = time.time()
     with progress_bar(files, "read corpus", args.progress) as bar:
         tok = tk.train_tokenizer(
@@ -124,6 +133,8 @@ def cmd_report(args) -> None:
         inputs = [args.tokenizer, args.baseline, *(args.corpus or [])]
         if any(p and (inside(p, args.json) or inside(tk_json(p), args.json)) for p in inputs):
             raise FileExistsError(f"--json {args.json} is one of the inputs, or inside one")
+        if above := outputs.output_above(os.path.dirname(os.path.abspath(args.json))):
+            raise FileExistsError(f"--json {args.json} is inside {above}, a stage's output; choose a path outside it")
         if os.path.exists(args.json) and not args.overwrite:
             raise FileExistsError(f"--json {args.json} exists (pass --overwrite to replace it)")
     toks = {"ours": tk.load_tokenizer(args.tokenizer)}
@@ -153,7 +164,10 @@ def cmd_report(args) -> None:
     }
     text = json.dumps(report, indent=2, ensure_ascii=False)
     if args.json:
-        atomic_write_text(args.json, text + "\n")
+        try:
+            outputs.atomic_write_text(args.json, text + "\n")
+        except OSError as e:  # a full disk: the path and the free space, in one line
+            raise outputs.write_error(args.json, e) from None
         print(f"wrote {args.json}")
     else:
         print(text)
@@ -169,7 +183,7 @@ def cmd_encode(args) -> None:
         corpus, val_corpus = DEMO_TRAIN, val_corpus or DEMO_VAL
     files = readers.corpus_files(corpus)
     val_files = readers.corpus_files(val_corpus) if val_corpus else None
-    lock, _ = claim(args.out, "tokenize encode", args.overwrite)  # held until the process ends
+    claim_out(args, "tokenize encode")
     meta = {
         "created_by": "tokenize.py encode",
         "tokenizer": os.path.abspath(args.tokenizer),

@@ -29,8 +29,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from minilm_az import outputs
 from minilm_az.logs import MetricLogger
-from minilm_az.outputs import atomic_write_json, check_writable, claim, file_sha256, inside, lock_dir, read_json
+from minilm_az.outputs import atomic_write_json, file_sha256, read_json
 from minilm_az.parallel import Process, agree, all_reduce_sum
 
 
@@ -436,19 +437,23 @@ class Checkpointer:
 
 
 def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> bool:
-    """The writer rank takes --out for this run and locks a --checkpoint-dir outside it (outputs.claim's rule, held
-    until the process ends), then the log's file opens. Collective. Returns whether this run starts fresh."""
+    """The writer rank takes --out for this run and locks its checkpoint dir (outputs.claim's rule; the locks are
+    held until the process ends), then the log's file opens. Collective. Returns whether this run starts fresh."""
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
+    flag, logs = "--checkpoint-dir", ("metrics.jsonl", "tensorboard")
 
     def take() -> bool:
         if out is None:  # an --eval-only that writes no file
             return True
         if not proc.is_main:  # the writer holds the locks; another host's own disk must take the saves too
-            check_writable(ckpt_dir, "--checkpoint-dir")
+            outputs.check_writable(ckpt_dir, flag)
             return False
-        _, replacing = claim(out, stage, flags.overwrite, run, ("metrics.jsonl", "tensorboard"), flags.resume == "auto")
-        if not inside(out, ckpt_dir):
-            lock_dir(ckpt_dir, "--checkpoint-dir")
+        above = None if outputs.inside(out, ckpt_dir) else outputs.output_above(ckpt_dir)
+        if above:  # another run's output, a model, shards: their files are not this run's to prune
+            raise outputs.OutputError(f"{flag} {ckpt_dir} is inside {above}, an output this run does not own")
+        _, replacing = outputs.claim(out, stage, flags.overwrite, run, logs, flags.resume == "auto")
+        if os.path.realpath(ckpt_dir) != os.path.realpath(out):  # inside --out too: another run may name it
+            outputs.lock_dir(ckpt_dir, flag)
         return replacing
 
     replacing = agree(take, proc)

@@ -76,7 +76,7 @@ def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ModelDirError(f"{path}: rope type {rope_type!r} is not supported (default or llama3)")
-    heads = need("num_attention_heads")
+    heads, theta = need("num_attention_heads"), hf.get("rope_theta")  # 0 is refused, not read as the default
     dim = need("hidden_size")
     head_dim = optional("head_dim", None)
     llama3 = rope_type == "llama3"
@@ -90,14 +90,14 @@ def config_from_hf(hf: dict, path: str = "config.json") -> ModelConfig:
             n_kv_heads=optional("num_key_value_heads", heads),
             ffn_dim=need("intermediate_size"),
             vocab_size=need("vocab_size"),
-            rope_theta=number("rope_theta", hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_theta=number("rope_theta", theta if theta is not None else rope.get("rope_theta", 10000.0)),
             rope_factor=number("rope_scaling.factor", rope["factor"]) if llama3 else None,
             rope_low_freq_factor=number("rope_scaling.low_freq_factor", rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=number("rope_scaling.high_freq_factor", rope.get("high_freq_factor", 4.0)),
             rope_original_max_seq_len=integer(
                 "rope_scaling.original_max_position_embeddings", rope.get("original_max_position_embeddings", 8192)
             ),
-            norm_eps=optional("rms_norm_eps", 1e-5, number),
+            norm_eps=optional("rms_norm_eps", 1e-6, number),  # LlamaConfig's default, when the field is absent
             tie_embeddings=bool(hf.get("tie_word_embeddings")),
             max_seq_len=optional("max_position_embeddings", 2048),
             head_dim_override=head_dim if head_dim and head_dim != dim // heads else None,

@@ -109,8 +109,9 @@ def _marker(out_dir: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             marker = json.load(f)
-        if not isinstance(marker, dict):
-            raise ValueError("not a JSON object")
+        owner = marker.get("owner", {}) if isinstance(marker, dict) else None
+        if not isinstance(owner, dict) or not all(isinstance(f, str) for f in owner.get("files", [])):
+            raise ValueError("not a JSON object with an owner object listing file names")
     except (OSError, ValueError) as e:
         raise OutputError(f"{path}: unreadable output marker ({e}); remove it by hand") from None
     return marker
@@ -140,7 +141,9 @@ def _remove_files(out_dir: str, files: Iterable[str]) -> list[str]:
     removed = []
     for rel in files:
         path = os.path.join(out_dir, rel)
-        if not inside(out_dir, os.path.dirname(path)) or not (os.path.isfile(path) or os.path.islink(path)):
+        if os.path.isabs(rel) or ".." in rel.split("/") or not inside(out_dir, os.path.dirname(path)):
+            continue  # a name that leads out of out_dir, by `..` or through a link: never followed
+        if not (os.path.isfile(path) or os.path.islink(path)):
             continue  # the file itself may be a link: removing a link leaves its target alone
         os.remove(path)
         removed.append(rel)
@@ -189,6 +192,16 @@ def check_writable(path: str, flag: str) -> None:
             os.remove(probe.name)
     except OSError as e:
         raise OSError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
+def output_above(path: str) -> str | None:
+    """The nearest directory at or above `path` whose marker says it is a stage's output, if any."""
+    d = os.path.realpath(path)
+    while not os.path.isfile(os.path.join(d, MARKER)):
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+    return d
 
 
 def _unlock(path: str, handle: IO, created: bool) -> None:
@@ -246,12 +259,13 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
         raise OutputError(f"--out {out_dir}: {problem}")
     marker = _marker(out_dir)
     owner = marker.get("owner") or {}
-    if replacing:
+    if replacing:  # a run's own logs: plain names of entries of out_dir, never out_dir itself or anything above
         for name in owner.get("files", []):
             path = os.path.join(out_dir, name)
-            if inside(out_dir, os.path.dirname(path)) and os.path.isdir(path) and not os.path.islink(path):
+            if name in (".", "..") or "/" in name or os.path.islink(path) or not os.path.isdir(path):
+                _remove_files(out_dir, [name])
+            elif inside(out_dir, path) and os.path.realpath(path) != os.path.realpath(out_dir):
                 shutil.rmtree(path)
-            _remove_files(out_dir, [name])
     if replacing or not owner:
         owner = dict(stage=stage, run=run, time=_now(), files=list(run_files))
         _write_marker(out_dir, marker.get("outputs", []), owner)

@@ -86,6 +86,14 @@ def test_a_truncated_parquet_is_an_error_naming_the_file(tmp_path):
 # ---------------------------------------------------------------- a corpus directory names what it skips
 
 
+def test_a_pipe_named_like_a_corpus_file_is_skipped_and_named_not_read(tmp_path, capsys):
+    # issue 29's audit: a FIFO `pipe.txt` in a corpus dir made encode wait forever for a writer
+    (tmp_path / "a.txt").write_text("birinci\n")
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert readers.corpus_files([str(tmp_path)]) == [str(tmp_path / "a.txt")]
+    assert "skipped 1 files that are not corpus files: pipe.txt" in capsys.readouterr().err
+
+
 def test_a_corpus_directory_names_the_files_it_skips_on_stderr(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.txt").write_text("birinci\n")

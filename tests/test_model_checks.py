@@ -81,6 +81,13 @@ def test_fields_that_do_not_change_the_maths_are_accepted():
     assert config_from_hf(hf).dim == 64
 
 
+def test_a_zero_rope_theta_is_refused_and_an_absent_norm_eps_is_llamaconfigs_default():
+    # issue 29's audit: `rope_theta: 0` was read as the default 10000, and an absent rms_norm_eps as 1e-5
+    with pytest.raises(ModelDirError, match="field 'rope_theta' must be a positive number, got 0"):
+        config_from_hf({**SIZES, "rope_theta": 0})
+    assert config_from_hf(SIZES).norm_eps == transformers.LlamaConfig().rms_norm_eps == 1e-6
+
+
 def test_inconsistent_heads_and_odd_head_dim_name_config_json(tmp_path):
     path = _model_dir(tmp_path)
     f = _edit_config(path, head_dim=15)  # RoPE rotates pairs: an odd head_dim used to crash in the first forward

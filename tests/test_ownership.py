@@ -190,3 +190,65 @@ def test_a_full_disk_at_export_is_one_line_with_the_path_and_the_free_space(
     assert lines[0].startswith(f"train.py: error: {out / 'model'}: cannot write the output (")
     assert re.search(r"No space left on device.*; [\d.]+ [KMG]?i?B free there\)$", lines[0]), lines[0]
     assert check(str(tmp_path / "ckpt" / "phase2" / step_dirs(str(tmp_path / "ckpt" / "phase2"))[0])) is None
+
+
+@pytest.mark.parametrize("entry", ["..", ".", "tensorboard/..", "tensorboard/../..", "/"])
+def test_an_owner_entry_never_removes_out_dir_itself_or_anything_above_it(tmp_path, entry):
+    out = str(tmp_path / "p" / "run")
+    claim(out, "train.py", False, run="r1")[0].close()
+    os.makedirs(os.path.join(out, "tensorboard"))
+    _write(os.path.join(out, "notes.txt"))
+    _write(tmp_path / "p" / "victim.txt")
+    marker = json.load(open(os.path.join(out, MARKER)))
+    marker["owner"]["files"] = [entry]
+    json.dump(marker, open(os.path.join(out, MARKER), "w"))
+    claim(out, "train.py", True, run="r2")[0].close()  # --overwrite from other inputs: only what is listed goes
+    assert os.path.exists(os.path.join(out, "notes.txt")) and os.path.exists(tmp_path / "p" / "victim.txt")
+
+
+@pytest.mark.parametrize("owner", ['"train.py"', '{"stage": "train.py", "files": [1, null]}', "[]"])
+def test_a_malformed_owner_record_is_one_error_naming_the_marker(tmp_path, owner):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / MARKER).write_text(f'{{"owner": {owner}, "outputs": []}}')
+    with pytest.raises(OutputError, match=f"{out / MARKER}: unreadable output marker"):
+        claim(str(out), "train.py", True, run="r")
+
+
+def _train(out, *extra, tok, data):
+    cmd = [sys.executable, "train.py", "--phase", "2", "--tokenizer", tok, "--data", data, "--steps", "1"]
+    cmd += ["--seq-len", "32", "--global-batch", "2", "--eval-batches", "1", "--device", "cpu", "--out", str(out)]
+    return subprocess.run([*cmd, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_checkpoint_dir_inside_another_output_or_locked_by_another_run_is_refused(
+    tmp_path, small_tokenizer_dir, container_shards_dir
+):
+    tok, data = small_tokenizer_dir, container_shards_dir
+    model = tmp_path / "model"  # a stage's output: its marker says so
+    with staged_output(str(model), stage="hf-model") as tmp:
+        _write(os.path.join(tmp, "config.json"), "{}")
+    p = _train(tmp_path / "b", "--checkpoint-dir", str(model / "ckpt"), tok=tok, data=data)
+    assert p.returncode == 2 and f"--checkpoint-dir {model / 'ckpt'} is inside {model}" in p.stderr, p.stderr
+    assert sorted(os.listdir(model)) == ["config.json", MARKER] and not (tmp_path / "b").exists()
+    held = lock_dir(str(tmp_path / "a" / "checkpoints"), "--checkpoint-dir")  # run a, still running
+    p = _train(tmp_path / "c", "--checkpoint-dir", str(tmp_path / "a" / "checkpoints"), tok=tok, data=data)
+    held.close()
+    assert p.returncode == 2 and "another run is writing there now" in p.stderr, p.stderr
+
+
+def test_tokenize_refuses_an_out_inside_its_corpus_dir_and_a_report_inside_an_output(tmp_path, small_tokenizer_dir):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    _write(corpus / "a.txt", "Salam dünya.\nBu bir cümlədir.\n" * 50)
+    tok = [sys.executable, "tokenize.py", "train", "--vocab-size", "300", "--no-progress", "--corpus", str(corpus)]
+    p = subprocess.run([*tok, "--out", str(corpus / "tok")], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "is inside the corpus directory" in p.stderr and os.listdir(corpus) == ["a.txt"]
+    rep = [sys.executable, "tokenize.py", "report", "--tokenizer", small_tokenizer_dir, "--corpus", str(corpus)]
+    model = tmp_path / "model"
+    with staged_output(str(model), stage="hf-model") as tmp:
+        _write(os.path.join(tmp, "config.json"), "{}")
+    rep += ["--no-progress", "--json", str(model / "r.json")]
+    p = subprocess.run(rep, cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and f"is inside {model}, a stage's output" in p.stderr, p.stderr
+    assert sorted(os.listdir(model)) == ["config.json", MARKER]

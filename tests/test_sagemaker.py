@@ -521,6 +521,9 @@ TOKENIZE = ["tokenize", "encode", *AWS_FLAGS, "--corpus", "s3://corp/text/", "--
         (TRAIN + ["--job-name", "my_job"], "--job-name", "'my_job'"),
         (TRAIN + ["--job-name", "x" * 64], "--job-name", "x" * 64),
         (TRAIN + ["--job-name=-leading"], "--job-name", "'-leading'"),
+        (TRAIN + ["--job-name", "a" + "-" * 68 + "b"], "--job-name", "at most 63 characters"),  # issue 29's audit
+        (TRAIN + ["--data", "s3://xn--bucket/shards/"], "--data", "S3 reserves names"),
+        (TRAIN + ["--bucket", "mine-s3alias"], "--bucket", "S3 reserves names"),
         # instance types
         (TRAIN + ["--instance-type", "ml.p55.48xlarge"], "--instance-type", "did you mean ml.p5.48xlarge"),
         (FINETUNE + ["--instance-type", "ml.g5x.2xlarge"], "--instance-type", "did you mean ml.g5.2xlarge"),
@@ -532,6 +535,7 @@ TOKENIZE = ["tokenize", "encode", *AWS_FLAGS, "--corpus", "s3://corp/text/", "--
         (TRAIN + ["--instance-count", "0"], "--instance-count", "got 0"),
         (TRAIN + ["--max-run-hours", "0"], "--max-run-hours", "got 0.0"),
         (TRAIN + ["--max-run-hours", "inf"], "--max-run-hours", "got inf"),
+        (TRAIN + ["--max-run-hours", "1000"], "--max-run-hours", "at most 672 (28 days"),
         (TRAIN + ["--spot", "--max-run-hours", "1", "--max-wait-hours", "nan"], "--max-wait-hours", "got nan"),
         # environment
         (TRAIN + ["--env", "1 BAD=x"], "--env", "'1 BAD'"),

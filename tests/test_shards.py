@@ -250,6 +250,19 @@ def test_index_json_is_checked_field_by_field_in_one_line(tmp_path, field, value
     assert isinstance(e.value, ValueError)  # what train.py and tokenize.py turn into one line and exit 2
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_shard_listed_twice_or_in_both_splits_is_refused(tmp_path, split):
+    # issue 29's audit: a val split made of the train shard scored training data; a shard listed twice trained twice
+    data = small_shards(tmp_path / "s")
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    train = index["splits"]["train"]
+    index["splits"][split]["shards"].append(dict(train["shards"][0]))
+    index["splits"][split]["tokens"] += train["shards"][0]["tokens"]
+    (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(shards.ShardIndexError, match=r'shards\[\d\]\.file "train_00000\.bin" is listed twice'):
+        shards.load_index(data)
+
+
 def test_a_symlink_to_a_shard_inside_the_data_dir_is_read(tmp_path):
     data = small_shards(tmp_path / "s")
     os.rename(tmp_path / "s" / "val_00000.bin", tmp_path / "s" / "val.data")

@@ -187,6 +187,8 @@ def _env_pair(value: str) -> tuple[str, str | None]:
 
 PROG = "python -m minilm_az.launch.sagemaker"
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's general purpose bucket naming rules
+RESERVED_BUCKET_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")  # S3's naming rules reserve these two ends
+RESERVED_BUCKET_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
 JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # CreateTrainingJob's TrainingJobName pattern
 V3_STAMP = "-20260710120000"  # the shape of what SDK 3.x appends to a base name (-YYYYmmddHHMMSS), then cuts at 63
 INSTANCE_TYPE = re.compile(r"ml\.(?P<family>[a-z][a-z0-9]*(?:-[a-z0-9]+)*)\.(?:[0-9]*xlarge|large|medium)")
@@ -219,6 +221,8 @@ def _bucket_problem(bucket: str) -> str | None:
         )
     if re.fullmatch(r"[0-9]+(\.[0-9]+){3}", bucket):
         return f"{bucket!r} is not an S3 bucket name; S3 refuses names shaped like an IP address"
+    if bucket.startswith(RESERVED_BUCKET_PREFIXES) or bucket.endswith(RESERVED_BUCKET_SUFFIXES):
+        return f"{bucket!r} is not an S3 bucket name; S3 reserves names that start or end like this one"
     return None
 
 
@@ -257,7 +261,7 @@ def _check_job_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                 f"name at 63, so at most {63 - len(V3_STAMP)} keep the timestamp whole"
             )
         sent = sent.replace("_", "-") + V3_STAMP
-    if not JOB_NAME.fullmatch(sent):
+    if not JOB_NAME.fullmatch(sent) or len(sent) > 63:  # the pattern bounds its groups, not the characters
         parser.error(
             f"--job-name: {args.job_name!r} is not a SageMaker training job name; expected letters, digits and "
             "hyphens, starting and ending with a letter or digit, at most 63 characters"
@@ -303,6 +307,8 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     for flag, hours in (("--max-run-hours", args.max_run_hours), ("--max-wait-hours", args.max_wait_hours)):
         if hours is not None and not (math.isfinite(hours) and hours * 3600 >= 1):
             parser.error(f"{flag}: must be a positive number of hours (at least one second), got {hours}")
+    if args.max_run_hours * 3600 > 2_419_200:  # CreateTrainingJob's MaxRuntimeInSeconds: at most 28 days
+        parser.error(f"--max-run-hours: at most 672 (28 days, SageMaker's limit), got {args.max_run_hours}")
 
 
 def _check_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -70,7 +70,7 @@ def corpus_files(paths: Iterable[str]) -> list[str]:
             for root, dirs, names in os.walk(p):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(n for n in names if not n.startswith(".") and n not in OWN_FILES):
-                    if name.endswith(CORPUS_SUFFIXES):
+                    if name.endswith(CORPUS_SUFFIXES) and os.path.isfile(os.path.join(root, name)):  # no pipes
                         found.append(os.path.join(root, name))
                     else:
                         skipped.append(os.path.join(root, name))
