@@ -445,9 +445,6 @@ def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, pro
     def take() -> bool:
         if out is None:  # an --eval-only that writes no file
             return True
-        if not proc.is_main:  # the writer holds the locks; another host's own disk must take the saves too
-            outputs.check_writable(ckpt_dir, flag)
-            return False
         above = None if outputs.inside(out, ckpt_dir) else outputs.output_above(ckpt_dir)
         if above:  # another run's output, a model, shards: their files are not this run's to prune
             raise outputs.OutputError(f"{flag} {ckpt_dir} is inside {above}, an output this run does not own")
@@ -456,7 +453,8 @@ def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, pro
             outputs.lock_dir(ckpt_dir, flag)
         return replacing
 
-    replacing = agree(take, proc)
+    replacing = agree(take if proc.is_main else lambda: False, proc)  # the writer holds the locks; then every
+    agree(lambda: out is None or outputs.check_writable(ckpt_dir, flag), proc)  # host's own disk must take saves
     log.open()
     return flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
 
