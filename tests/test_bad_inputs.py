@@ -103,9 +103,14 @@ def run_copy(fx, w):
     return {"X": _copy(fx["RUN"], os.path.join(w, "run"))}
 
 
+def checkpoints_copy(fx, w):
+    """The run's checkpoints alone, in a checkpoint dir of their own (SageMaker's /opt/ml/checkpoints)."""
+    return {"C": _copy(os.path.join(fx["RUN"], "checkpoints"), os.path.join(w, "ckpt"))}
+
+
 def other_base(fx, w):
-    """The run above, and a base model that differs from its base by one weight (same shape, same tokenizer)."""
-    out = run_copy(fx, w)
+    """The run's checkpoints, and a base model that differs from its base by one weight (same shape, tokenizer)."""
+    out = checkpoints_copy(fx, w)
     mb = _copy(fx["M"], os.path.join(w, "model_b"))
     with open(os.path.join(mb, "model.safetensors"), "r+b") as f:
         f.seek(-4, os.SEEK_END)
@@ -532,32 +537,33 @@ ROWS = [
         absent=("{W}/out/adapter_model.safetensors",),
     ),
     Row(
-        "resume_with_other_data",
+        "resume_with_other_data",  # the run's own --out says so first (outputs.claim)
         f"{TR} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --out {{X}}",
-        fragment="data=",
+        fragment="holds an earlier `train.py`'s output from other inputs",
         protect=("{X}/checkpoints", "{X}/model.safetensors"),
         prep=run_copy,
     ),
     Row(
         "resume_with_other_data_torchrun",
         f"torchrun --standalone --nproc_per_node 2 train.py --phase 2 "
-        f"--tokenizer {{T}} {SMALL} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --out {{X}}",
+        f"--tokenizer {{T}} {SMALL} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --out {{W}}/new "
+        "--checkpoint-dir {C}",  # a checkpoint dir of its own, as on SageMaker: the checkpoint says so
         code=1,
         fragment="data=",
-        protect=("{X}/checkpoints", "{X}/model.safetensors"),
-        prep=run_copy,
+        protect=("{C}",),
+        prep=checkpoints_copy,
         check=check_ranks_exit_2,
     ),
     Row(
         "resume_with_other_base_model",
-        f"{TR} --base-model {{MB}} --checkpoint-every 1 --out {{X}}",
+        f"{TR} --base-model {{MB}} --checkpoint-every 1 --out {{W}}/new --checkpoint-dir {{C}}",
         fragment="base_model=",
-        protect=("{X}/checkpoints", "{X}/model.safetensors", "{MB}"),
+        protect=("{C}", "{MB}"),
         prep=other_base,
     ),
     Row(
         "resume_never_with_other_data_runs",
-        f"{TR} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --resume never --out {{X}}",
+        f"{TR} --base-model {{M}} --data {{S2}} --checkpoint-every 1 --resume never --overwrite --out {{X}}",
         code=0,
         prep=run_copy,
         check=check_fresh_run,
