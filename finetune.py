@@ -30,7 +30,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
-from minilm_az.outputs import atomic_write_json, file_sha256
+from minilm_az.outputs import atomic_write_json, file_sha256, own_subdir
 from minilm_az.prep.chat_data import chat_files, encode_all, read_chat_files
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
@@ -239,7 +239,7 @@ def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLog
         atomic_write_json(os.path.join(cfg.out, "finetune_args.json"), dataclasses.asdict(cfg))
         log.log("export", dir=cfg.out, seconds=round(seconds, 1))
         if cfg.merge:
-            merged = os.path.join(cfg.out, "merged")
+            merged = own_subdir(cfg.out, "merged", MERGED_MARK)  # never another model put there, or a link
             base = load_pretrained(cfg.model)
             lora.load_adapter(base, cfg.out)
             lora.merge_lora(base)

@@ -131,15 +131,20 @@ def prepare_run_dir(run: str) -> None:
     if os.path.isdir(run) and os.listdir(run) and not os.path.isfile(marker):
         raise SystemExit(f"demo: {run} exists and is not a demo run (no {MARKER}); pick another --name")
     if os.path.isfile(marker):
-        with open(marker, encoding="utf-8") as f:
-            wrote = json.load(f).get("entries", os.listdir(run))  # an older demo.json: everything, as before
-        for name in {os.path.basename(str(n)) for n in wrote} - {"", ".", ".."}:  # plain names, inside run only
+        try:
+            with open(marker, encoding="utf-8") as f:
+                wrote = json.load(f)["entries"]
+            if not isinstance(wrote, list) or not all(isinstance(n, str) for n in wrote):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):  # hand-edited, or written before it listed entries
+            raise SystemExit(f"demo: {marker} does not list what the demo wrote; remove {run} by hand") from None
+        for name in {os.path.basename(n) for n in wrote} - {"", ".", ".."}:  # plain names, inside run only
             path = os.path.join(run, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             elif os.path.lexists(path):
                 os.remove(path)
-    os.makedirs(os.path.join(run, "logs"))
+    os.makedirs(os.path.join(run, "logs"), exist_ok=True)
 
 
 def write_val_text(run: str, lines: int | None) -> str:

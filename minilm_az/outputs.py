@@ -109,9 +109,14 @@ def _marker(out_dir: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             marker = json.load(f)
-        owner = marker.get("owner", {}) if isinstance(marker, dict) else None
-        if not isinstance(owner, dict) or not all(isinstance(f, str) for f in owner.get("files", [])):
-            raise ValueError("not a JSON object with an owner object listing file names")
+        if not isinstance(marker, dict):
+            raise ValueError("not a JSON object")
+        owner, records = marker.get("owner", {}), marker.get("outputs", [])
+        if not (isinstance(owner, dict) and isinstance(records, list) and all(isinstance(r, dict) for r in records)):
+            raise ValueError("its owner is not an object, or its outputs not a list of objects")
+        for names in [owner.get("files", []), *(r.get("files", []) for r in records)]:
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"a file list is not a list of names: {json.dumps(names)[:60]}")
     except (OSError, ValueError) as e:
         raise OutputError(f"{path}: unreadable output marker ({e}); remove it by hand") from None
     return marker
@@ -204,6 +209,18 @@ def output_above(path: str) -> str | None:
     return d
 
 
+def own_subdir(out_dir: str, name: str, mark: str) -> str:
+    """out_dir/name for an output of this stage's own: new, or holding `mark`, the file it writes there last."""
+    path = os.path.join(out_dir, name)
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(os.path.join(path, mark))):
+        raise OutputError(f"{path} exists and is not an output of this stage (it has no {mark}); move it away")
+    return path
+
+
+def _holds_output(path: str) -> bool:
+    return any(MARKER in names for _, _, names in os.walk(path))
+
+
 def _unlock(path: str, handle: IO, created: bool) -> None:
     # At exit the lock file goes, so a directory holds only what was written; a directory this run made and wrote
     # nothing into goes too (a refused or failed first run leaves nothing behind).
@@ -250,6 +267,8 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
     not list may be another model's, and nothing here may replace or remove them.
     """
     problem, _ = _owner_problem(out_dir, stage, overwrite, run, resume)  # before the lock: a refusal creates nothing
+    if above := output_above(os.path.dirname(os.path.abspath(out_dir))):
+        problem = f"is inside {above}, the output of another run or stage; choose a directory outside it"
     if problem:
         raise OutputError(f"--out {out_dir}: {problem}")
     lock = lock_dir(out_dir, "--out")
@@ -264,7 +283,7 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
             path = os.path.join(out_dir, name)
             if name in (".", "..") or "/" in name or os.path.islink(path) or not os.path.isdir(path):
                 _remove_files(out_dir, [name])
-            elif inside(out_dir, path) and os.path.realpath(path) != os.path.realpath(out_dir):
+            elif not _holds_output(path):  # a plain name, so inside out_dir; another stage's output stays
                 shutil.rmtree(path)
     if replacing or not owner:
         owner = dict(stage=stage, run=run, time=_now(), files=list(run_files))

@@ -238,7 +238,7 @@ def load_index(data_dir: str) -> dict:
     need(count(eos) and eos < vocab, "eos_id", eos, below)
     need(isinstance(index.get("tokenizer_hash"), str), "tokenizer_hash", index.get("tokenizer_hash"), "is not a string")
     need(isinstance(index.get("splits"), dict), "splits", index.get("splits"), "is not an object")
-    seen: set[str] = set()  # a shard listed twice (or in both splits) would train twice, or score training data
+    seen: set = set()  # a shard listed twice (or in both splits) would train twice, or score training data
     for name, split in index["splits"].items():
         at = f"splits.{name}"
         ok = isinstance(split, dict) and isinstance(split.get("shards"), list)
@@ -250,8 +250,9 @@ def load_index(data_dir: str) -> dict:
             need(ok, on, shard, "is not an object with a file name and a token count")
             file = os.path.realpath(os.path.join(data_dir, shard["file"]))
             need(file.startswith(root + os.sep), f"{on}.file", shard["file"], f"points outside {data_dir}")
-            need(file not in seen, f"{on}.file", shard["file"], "is listed twice")
-            seen.add(file)
+            inode = (os.stat(file).st_dev, os.stat(file).st_ino) if os.path.isfile(file) else file  # links, hard too
+            need(inode not in seen, f"{on}.file", shard["file"], "is listed twice")
+            seen.add(inode)
             want = shard["tokens"] * little.itemsize
             got = f"{os.path.getsize(file)} bytes" if os.path.isfile(file) else "missing"
             need(got == f"{want} bytes", f"{on}.file", shard["file"], f"is {got}, not {want} bytes")

@@ -202,10 +202,15 @@ def test_a_rerun_replaces_a_demo_dir_but_not_anything_else(tmp_path):
         demo.prepare_run_dir(str(mine))
     old = tmp_path / "old"
     old.mkdir()
-    (old / demo.MARKER).write_text("{}")
+    (old / demo.MARKER).write_text('{"entries": ["stale.txt", "demo.json"]}')
     (old / "stale.txt").write_text("")
     demo.prepare_run_dir(str(old))
     assert sorted(os.listdir(old)) == ["logs"]
+    for text in ("{}", "{not json", "[1, 2]", '{"entries": "notes.txt"}'):  # what it wrote is not said: left alone
+        (old / demo.MARKER).write_text(text)
+        with pytest.raises(SystemExit, match="does not list what the demo wrote"):
+            demo.prepare_run_dir(str(old))
+        assert sorted(os.listdir(old)) == [demo.MARKER, "logs"]
     assert (mine / "notes.txt").read_text() == "keep me"
 
 

@@ -206,11 +206,21 @@ def test_an_owner_entry_never_removes_out_dir_itself_or_anything_above_it(tmp_pa
     assert os.path.exists(os.path.join(out, "notes.txt")) and os.path.exists(tmp_path / "p" / "victim.txt")
 
 
-@pytest.mark.parametrize("owner", ['"train.py"', '{"stage": "train.py", "files": [1, null]}', "[]"])
-def test_a_malformed_owner_record_is_one_error_naming_the_marker(tmp_path, owner):
+@pytest.mark.parametrize(
+    "owner, outputs",
+    [
+        ('"train.py"', "[]"),
+        ('{"stage": "train.py", "files": [1, null]}', "[]"),
+        ("[]", "[]"),
+        ('{"stage": "train.py", "files": "notes"}', "[]"),  # a string would be read letter by letter
+        ('{"stage": "train.py"}', "5"),
+        ('{"stage": "train.py"}', '[{"stage": "hf-model", "files": [1, "model.safetensors"]}]'),
+    ],
+)
+def test_a_malformed_owner_record_is_one_error_naming_the_marker(tmp_path, owner, outputs):
     out = tmp_path / "run"
     out.mkdir()
-    (out / MARKER).write_text(f'{{"owner": {owner}, "outputs": []}}')
+    (out / MARKER).write_text(f'{{"owner": {owner}, "outputs": {outputs}}}')
     with pytest.raises(OutputError, match=f"{out / MARKER}: unreadable output marker"):
         claim(str(out), "train.py", True, run="r")
 
@@ -252,3 +262,31 @@ def test_tokenize_refuses_an_out_inside_its_corpus_dir_and_a_report_inside_an_ou
     p = subprocess.run(rep, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and f"is inside {model}, a stage's output" in p.stderr, p.stderr
     assert sorted(os.listdir(model)) == ["config.json", MARKER]
+
+
+def test_a_listed_log_dir_holding_another_output_stays_and_no_output_nests_in_another(tmp_path):
+    out = str(tmp_path / "run")
+    claim(out, "train.py", False, run="r1", run_files=("tensorboard",))[0].close()
+    with pytest.raises(OutputError, match=f"is inside {tmp_path / 'run'}, the output of another run or stage"):
+        claim(os.path.join(out, "tensorboard"), "tokenize train", False)
+    with staged_output(os.path.join(out, "tensorboard"), stage="tokenize train") as tmp:  # put there by hand
+        _write(os.path.join(tmp, "tokenizer.json"))
+    claim(out, "train.py", True, run="r2", run_files=("tensorboard",))[0].close()
+    assert os.path.isfile(os.path.join(out, "tensorboard", "tokenizer.json"))
+
+
+def test_merge_never_writes_into_a_merged_dir_it_did_not_make(tmp_path):
+    from minilm_az.outputs import own_subdir
+
+    out = tmp_path / "sft"
+    (out / "merged").mkdir(parents=True)
+    _write(out / "merged" / "config.json", "{}")  # another model someone put there
+    with pytest.raises(OutputError, match="merged exists and is not an output of this stage"):
+        own_subdir(str(out), "merged", "merged_from_adapter.json")
+    (tmp_path / "victim").mkdir()
+    os.rename(out / "merged", tmp_path / "victim" / "m")
+    os.symlink(tmp_path / "victim" / "m", out / "merged")
+    with pytest.raises(OutputError, match="is not an output of this stage"):
+        own_subdir(str(out), "merged", "merged_from_adapter.json")
+    os.remove(out / "merged")
+    assert own_subdir(str(out), "merged", "merged_from_adapter.json") == str(out / "merged")

@@ -263,6 +263,19 @@ def test_a_shard_listed_twice_or_in_both_splits_is_refused(tmp_path, split):
         shards.load_index(data)
 
 
+def test_a_val_shard_that_is_a_hard_link_to_the_train_shard_is_refused(tmp_path):
+    data = small_shards(tmp_path / "s")
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    train, val = index["splits"]["train"], index["splits"]["val"]
+    os.remove(tmp_path / "s" / val["shards"][0]["file"])
+    os.link(tmp_path / "s" / train["shards"][0]["file"], tmp_path / "s" / val["shards"][0]["file"])
+    val["shards"][0].update(tokens=train["shards"][0]["tokens"], max_id=train["shards"][0]["max_id"])
+    val.update(tokens=train["shards"][0]["tokens"], max_id=train["shards"][0]["max_id"])
+    (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(shards.ShardIndexError, match="is listed twice"):
+        shards.load_index(data)
+
+
 def test_a_symlink_to_a_shard_inside_the_data_dir_is_read(tmp_path):
     data = small_shards(tmp_path / "s")
     os.rename(tmp_path / "s" / "val_00000.bin", tmp_path / "s" / "val.data")
