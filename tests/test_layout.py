@@ -35,7 +35,7 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in ENGINE}
     # 4,200 when issue 19 split the package by audience; issue 29 put the checks at the boundary where the
     # architecture says they belong (the ownership rule and lock in outputs.py, the index schema in shards.py, the
-    # config fields in hf.py, the checkpoint dir's lock and Ctrl-C in checkpoint.py): +230 lines, 59 of them paid
+    # config fields in hf.py, the checkpoint dir's lock and Ctrl-C in checkpoint.py): +250 lines, 59 of them paid
     # by moving fertility to prep/. Grow it only with a reason written here.
     assert sum(lines.values()) <= 4400, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
