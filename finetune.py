@@ -198,7 +198,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     params = lora.lora_parameters(model)
     fused = proc.device.type == "cuda" or None
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay, fused=fused)
-    ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
+    ckpt = checkpoint.open_checkpoints(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
     state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
     control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
     start = ckpt.start(model, opt, must, may, log.info, steps, fresh, cfg.overwrite)

@@ -231,7 +231,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     parallel.fp8_scale_hook(model, optimizer, on=plan.fp8_all_gather)
     must["model"] = model.config.to_dict()
     ckpt_dir = os.path.join(plan.checkpoint_dir, f"phase{flags.phase}")
-    ckpt = checkpoint.Checkpointer(ckpt_dir, proc, flags.keep_checkpoints, flags.async_checkpoint)
+    ckpt = checkpoint.open_checkpoints(ckpt_dir, proc, flags.keep_checkpoints, flags.async_checkpoint)
     state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
     control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)
     start = ckpt.start(model, optimizer, must, may, log.info, plan.steps, fresh, flags.overwrite)

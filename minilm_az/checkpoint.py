@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -21,15 +22,16 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save, save_file
 
-from minilm_az import outputs
+from minilm_az import outputs, s3
 from minilm_az.logs import MetricLogger
 from minilm_az.outputs import atomic_write_json, file_sha256, read_json
 from minilm_az.parallel import Process, agree, all_reduce_sum
@@ -54,6 +56,8 @@ class CheckpointError(ValueError):
 # file matches it, so the order in which the files reached S3 does not matter.
 
 _STEP_DIR = re.compile(r"step-(\d+)(-\w+)?")  # what this version writes, and anything else named like it
+# The names this code makes: pruning removes only these, never a name a user gave a checkpoint (step-...-best).
+OURS = re.compile(r"step-(\d{8})-[0-9a-f]{8}")
 STAGING = ".sagemaker-ignore"
 MANIFEST = "manifest-{:05d}.json"
 
@@ -189,7 +193,7 @@ def _prune(ckpt_dir: str, kept: list[str]) -> None:
     complete it now), or another run's that this one did not continue (left, they could be resumed instead).
     """
     for name in os.listdir(ckpt_dir):
-        if (_STEP_DIR.fullmatch(name) and name not in kept) or (name.startswith("step-") and name.endswith(STAGING)):
+        if (OURS.fullmatch(name) and name not in kept) or (name.startswith("step-") and name.endswith(STAGING)):
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 
@@ -386,7 +390,7 @@ class Checkpointer:
         warning line. `warn(line)` is called on rank 0 only.
         """
         rank = self.proc.rank
-        names = _on_rank0(lambda: step_dirs(self.ckpt_dir), rank)
+        names = _agreed(step_dirs(self.ckpt_dir), self.ckpt_dir, self.proc)
         skipped = []
         for i, name in enumerate(names):
             path = os.path.join(self.ckpt_dir, name)
@@ -425,7 +429,7 @@ class Checkpointer:
         checkpoints of an earlier run with --overwrite and is refused without it (its first save would prune them)."""
         if not fresh:
             return self.resume(model, optimizer, must, may, warn, steps)[0]
-        names = _on_rank0(lambda: step_dirs(self.ckpt_dir), self.proc.rank)
+        names = _agreed(step_dirs(self.ckpt_dir), self.ckpt_dir, self.proc)
         if names and not overwrite:
             raise CheckpointError(
                 f"{self.ckpt_dir} holds an earlier run's checkpoints ({names[0]}): --overwrite replaces them"
@@ -436,27 +440,321 @@ class Checkpointer:
         return 0
 
 
+# ---------------------------------------------------------------- checkpoints on S3
+#
+# s3://BUCKET/PREFIX/step-00001000-3fa9c2d1/   .metadata (DCP's coordinator, after every rank's data), __R_0.distcp
+#                                               and rng-0000R.safetensors per rank R, train_state.json (rank 0),
+#                                               and last commit.json (rank 0): the object that makes it a checkpoint
+#
+# Every rank writes its own objects straight to S3 (s3torchconnector's DCP writer); no host's disk holds a copy that
+# must reach S3 later. A PUT is atomic and S3 reads after writes and lists consistently, so once commit.json exists,
+# every host sees the same complete checkpoint. It is written only after every rank's writes returned, and it
+# lists each object with its size, so a resume checks the listing against it before loading anything.
+
+COMMIT = "commit.json"
+
+
+def open_checkpoints(ckpt_dir: str, proc: Process, keep: int = 2, async_save: bool = True) -> Checkpointer:
+    """The Checkpointer for `ckpt_dir`: a local (or shared) directory, or an s3:// prefix. Collective."""
+    return (
+        S3Checkpointer(ckpt_dir, proc, keep, async_save)
+        if s3.is_s3(ckpt_dir)
+        else Checkpointer(ckpt_dir, proc, keep, async_save)
+    )
+
+
+def _rng_bytes() -> bytes:
+    rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+    return save(rng)
+
+
+def _s3_metadata(store: s3.Store, path: str):
+    """DCP's Metadata of checkpoint `path` on S3, unpickled with only DCP's own classes allowed."""
+    key = f"{store.where.key(path.removeprefix(store.uri).strip('/'))}/.metadata"
+    try:
+        return _MetadataUnpickler(io.BytesIO(store.get(key)), f"s3://{store.where.bucket}/{key}").load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # a missing or truncated object fails in many ways
+        raise CheckpointError(f"s3://{store.where.bucket}/{key}: unreadable ({_one_line(e)})") from None
+
+
+class S3Checkpointer(Checkpointer):
+    """Checkpoints under an s3:// prefix: each rank writes its part, rank 0 commits once all have, a resume reads
+    the newest committed one straight from S3. The loop sees the same interface as the local Checkpointer's."""
+
+    def __init__(self, ckpt_dir: str, proc: Process, keep: int = 2, async_save: bool = True):
+        self.store = s3.Store(ckpt_dir)
+        super().__init__(self.store.uri, proc, keep, async_save)
+
+    def _key(self, name: str, file: str = "") -> str:
+        return self.store.where.key(name, file)
+
+    def _listing(self) -> dict[str, dict[str, int]]:
+        """name -> {file: size} of every step-* folder under the prefix (one LIST, paginated)."""
+        found: dict[str, dict[str, int]] = {}
+        base = self.store.where.key() + "/" if self.store.where.key() else ""
+        for key, size in self.store.list(base).items():
+            parts = key[len(base) :].split("/")
+            if len(parts) == 2 and _STEP_DIR.fullmatch(parts[0]):
+                found.setdefault(parts[0], {})[parts[1]] = size
+        return found
+
+    def save(self, step: int, model, optimizer, train_state: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        self.finalize()
+        name = f"step-{step:08d}-{self.token}"
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        state = {"model": model_sd, "optim": optim_sd}
+        # The RNG and the run's state of the moment the model state is snapshotted; uploaded after DCP's objects.
+        extra = {f"rng-{self.proc.rank:05d}.safetensors": _rng_bytes()}
+        if self.proc.rank == 0:
+            world = self.proc.world_size
+            extra["train_state.json"] = json.dumps({**train_state, "step": step, "world_size": world}).encode()
+        uri = f"{self.ckpt_dir}/{name}"
+        if self.async_save:
+            if self._writer is None:
+                self._writer = self.store.writer(uri, cache_staged_state_dict=torch.cuda.is_available())
+            fut = dcp.async_save(
+                self._staged(state), checkpoint_id=uri, storage_writer=self._writer, process_group=self._group
+            )
+            fut = getattr(fut, "upload_completion", fut)
+            upload = threading.Thread(target=self._upload_after, args=(fut, name, extra), daemon=True)
+            upload.start()
+            self._pending = (step, name, upload)
+        else:
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            try:
+                dcp.save(state, checkpoint_id=uri, storage_writer=self.store.writer(uri))
+            except (Exception, CheckpointException) as e:
+                if isinstance(_inner(e), KeyboardInterrupt):
+                    raise KeyboardInterrupt from None
+                raise self._not_written(step, _one_line(e)) from None
+            self._upload_after(None, name, extra)
+            self._pending = (step, name, None)
+            self.finalize()
+
+    def _upload_after(self, write, name: str, extra: dict[str, bytes]) -> None:
+        """Wait for DCP's `write` (None: done), then put this rank's RNG (and rank 0's train state); failures to
+        _error."""
+        try:
+            if write is not None:
+                write.result()
+            for file, data in extra.items():
+                self.store.put(self._key(name, file), data)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._error = _one_line(e)
+
+    def finalize(self) -> str | None:
+        """Collective: wait for every rank's part of the pending save, then rank 0 commits it (a listing of its
+        objects, written last) and prunes what the commit supersedes. Raises on every rank if any part failed:
+        no commit is written then, and nothing is pruned."""
+        if self._pending is None:
+            return None
+        step, name, thread = self._pending
+        self._pending = None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        error = _first_error_in(error, self._group)  # every rank learns of a failure anywhere
+        if error is None:
+            commit_error = None
+            if self.proc.rank == 0:
+                try:
+                    objects = self._listing().get(name, {})
+                    objects.pop(COMMIT, None)
+                    missing = self._expected(name) - set(objects)
+                    if missing:  # S3 lists what it holds: a commit must never name an object it lacks
+                        raise CheckpointError(f"{sorted(missing)[0]} is not in S3's listing")
+                    commit = {"step": step, "world_size": self.proc.world_size, "objects": objects}
+                    self.store.put(self._key(name, COMMIT), json.dumps(commit, sort_keys=True).encode())
+                except Exception as e:  # the client's S3Exception, after its own retries
+                    commit_error = f"{COMMIT}: {_one_line(e)}"
+            error = _first_error_in(commit_error, self._group)
+        if error:
+            raise self._not_written(step, error)
+        self.kept = [*self.kept, name][-self.keep :]
+        if self.proc.rank == 0:
+            self._prune()
+        self._barrier()
+        return f"{self.ckpt_dir}/{name}"
+
+    def _expected(self, name: str) -> set[str]:
+        """The objects a save of this job writes besides DCP's data files: every rank's RNG, the state, .metadata."""
+        ranks = range(self.proc.world_size)
+        return {".metadata", "train_state.json", *(f"rng-{r:05d}.safetensors" for r in ranks)}
+
+    def _prune(self, keep: list[str] | None = None) -> None:
+        """Delete this code's checkpoints that the newest commit supersedes: committed ones older than the kept,
+        and leftovers of saves that never committed, older than the newest commit. A user's names stay. Each
+        checkpoint loses its commit first, so that one half deleted reads as uncommitted, never as complete."""
+        kept = self.kept if keep is None else keep
+        newest = max((int(OURS.fullmatch(n).group(1)) for n in kept if OURS.fullmatch(n)), default=None)
+        for name, files in sorted(self._listing().items()):
+            match = OURS.fullmatch(name)
+            if not match or name in kept or (newest is not None and int(match.group(1)) > newest):
+                continue
+            for file in sorted(files, key=lambda f: f != COMMIT):
+                try:
+                    self.store.delete(self._key(name, file))
+                except Exception:  # a leftover that stays is pruned by the next commit; the run goes on
+                    break
+
+    def _not_written(self, step: int, reason: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.ckpt_dir}: checkpoint of step {step} was not written ({reason}); the last committed one is "
+            f"{self.last() or 'none yet'}"
+        )
+
+    def last(self) -> str | None:
+        return f"{self.ckpt_dir}/{self.kept[-1]}" if self.kept else None
+
+    def pending_done(self) -> bool:
+        return self._pending is None or self._pending[2] is None or not self._pending[2].is_alive()
+
+    def resume(self, model, optimizer, must_match: dict, may_change: dict, warn, steps: int) -> tuple[int, dict | None]:
+        """Load the newest committed checkpoint under the prefix; (step, train_state), or (0, None) when the prefix
+        holds no checkpoint objects at all. Every rank lists the prefix itself and all must see the same; an
+        uncommitted or unloadable checkpoint gives a warning naming it and the one before it is tried; objects but
+        nothing that loads is an error (exit 2), and nothing is deleted."""
+        rank = self.proc.rank
+        listing = self._listing()
+        view = [(n, COMMIT in files) for n, files in listing.items()]
+        view = sorted(view, key=lambda v: (int(_STEP_DIR.fullmatch(v[0]).group(1)), v[0]), reverse=True)
+        names = _agreed([f"{n}{'' if c else ' (uncommitted)'}" for n, c in view], self.ckpt_dir, self.proc)
+        skipped = []
+        for i, (name, committed) in enumerate(view):
+            path = f"{self.ckpt_dir}/{name}"
+            if not committed:
+                skipped.append(f"{name}: no {COMMIT} (a save that did not finish)")
+                if rank == 0:
+                    warn(f"warning: {path} is not committed (a save that did not finish); skipped")
+                continue
+            error = None
+            try:
+                commit = json.loads(self.store.get(self._key(name, COMMIT)))
+                absent = [f for f, size in commit["objects"].items() if listing[name].get(f) != size]
+                if absent:
+                    raise CheckpointError(f"{absent[0]}, listed by {COMMIT}, is missing or of another size in S3")
+                saved = json.loads(self.store.get(self._key(name, "train_state.json")))
+            except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as e:
+                error = str(e) if isinstance(e, CheckpointError) else f"{COMMIT} or train_state.json: {_one_line(e)}"
+            except Exception as e:  # the client's S3Exception
+                error = _one_line(e)
+            error = _first_error(error)
+            if error is None:
+                changed = _check_state(path, saved, must_match, may_change)
+                if int(saved["step"]) > steps:
+                    msg = f"at step {saved['step']}, past --steps {steps}; use --resume never --overwrite"
+                    raise CheckpointError(f"{path}: {msg}")
+                try:
+                    load_train_checkpoint(path, model, optimizer, rank, self.store)
+                except CheckpointError as e:
+                    error = str(e).removeprefix(f"{path}: ")
+                except Exception as e:
+                    error = _one_line(e)
+                error = _first_error(error)
+            if error is None:
+                if changed and rank == 0:
+                    warn(f"warning: resuming from {path} with changed {', '.join(changed)}")
+                committed_names = [n for n, c in view[i:] if c]
+                self.kept = committed_names[: self.keep][::-1]
+                return int(saved["step"]), saved
+            skipped.append(f"{name}: {error}")
+            if rank == 0:
+                warn(f"warning: {path} cannot be resumed ({error}); trying the one before it")
+        if names:
+            more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+            raise CheckpointError(
+                f"{self.ckpt_dir}: no checkpoint can be resumed: {skipped[0]}{more}; nothing was deleted; "
+                f"start fresh with --resume never --overwrite"
+            )
+        return 0, None
+
+    def start(self, model, optimizer, must: dict, may: dict, warn, steps: int, fresh: bool, overwrite: bool) -> int:
+        if not fresh:
+            return self.resume(model, optimizer, must, may, warn, steps)[0]
+        names = _agreed(sorted(self._listing()), self.ckpt_dir, self.proc)
+        if names and not overwrite:
+            raise CheckpointError(
+                f"{self.ckpt_dir} holds an earlier run's checkpoints ({names[-1]}): --overwrite replaces them"
+            )
+        if names and self.proc.rank == 0:
+            self._prune(keep=[])
+        self._barrier()
+        return 0
+
+
+def _first_error_in(error: str | None, group) -> str | None:
+    """The first rank's error over `group` (the Checkpointer's gloo group, or the world)."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e), None)
+
+
 def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> bool:
     """The writer rank takes --out for this run and locks its checkpoint dir (outputs.claim's rule; the locks are
     held until the process ends), then the log's file opens. Collective. Returns whether this run starts fresh."""
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
     flag, logs = "--checkpoint-dir", ("metrics.jsonl", "tensorboard")
 
+    on_s3 = s3.is_s3(ckpt_dir)
+
     def take() -> bool:
         if out is None:  # an --eval-only that writes no file
             return True
-        above = None if outputs.inside(out, ckpt_dir) else outputs.output_above(ckpt_dir)
+        above = None if on_s3 or outputs.inside(out, ckpt_dir) else outputs.output_above(ckpt_dir)
         if above:  # another run's output, a model, shards: their files are not this run's to prune
             raise outputs.OutputError(f"{flag} {ckpt_dir} is inside {above}, an output this run does not own")
         _, replacing = outputs.claim(out, stage, flags.overwrite, run, logs, flags.resume == "auto")
-        if os.path.realpath(ckpt_dir) != os.path.realpath(out):  # inside --out too: another run may name it
-            outputs.lock_dir(ckpt_dir, flag)
+        if not on_s3 and os.path.realpath(ckpt_dir) != os.path.realpath(out):  # inside --out too: another run may
+            outputs.lock_dir(ckpt_dir, flag)  # name it
         return replacing
 
     replacing = agree(take if proc.is_main else lambda: False, proc)  # the writer holds the locks; then every
-    agree(lambda: out is None or outputs.check_writable(ckpt_dir, flag), proc)  # host's own disk must take saves
+    if out is not None and on_s3:  # rank proves it can write, list, read and delete under the prefix
+        agree(lambda: s3.Store(ckpt_dir).probe(f"{socket.gethostname()}-{proc.rank}"), proc)
+    elif out is not None:
+        agree(lambda: outputs.check_writable(ckpt_dir, flag), proc)  # host's own disk must take saves
+        _check_shared(ckpt_dir, proc)
     log.open()
     return flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
+
+
+def _check_shared(ckpt_dir: str, proc: Process) -> None:
+    """On several hosts a local checkpoint dir must be one file system they all see (FSx, EFS, NFS): rank 0 writes
+    a file there and every rank must see it. Each host's report counts, not rank 0's alone."""
+    if proc.world_size == 1:
+        return
+    hosts = [None] * proc.world_size
+    dist.all_gather_object(hosts, os.environ.get("SM_CURRENT_HOST") or socket.gethostname())
+    if len(set(hosts)) == 1:
+        return
+    token = [secrets.token_hex(8)]
+    dist.broadcast_object_list(token, src=0)
+    mark = os.path.join(ckpt_dir, f".shared-{token[0]}")
+    if proc.rank == 0:
+        open(mark, "w").close()
+    dist.barrier()
+
+    def sees() -> None:
+        if not os.path.exists(mark):
+            raise CheckpointError(
+                f"--checkpoint-dir {ckpt_dir} is not shared between the job's {len(set(hosts))} hosts (this host does "
+                f"not see rank 0's files): give every host one place, s3://BUCKET/PREFIX or a shared file system"
+            )
+
+    try:
+        agree(sees, proc)
+    finally:
+        dist.barrier()
+        if proc.rank == 0:
+            os.remove(mark)
 
 
 # ---------------------------------------------------------------- run control: when the loop saves and stops
@@ -536,9 +834,10 @@ class RunControl:
         self.pending = None
 
 
-def _dcp_load(state: dict, path: str) -> None:
+def _dcp_load(state: dict, path: str, store=None) -> None:
     """dcp.load with nothing unpickled freely: metadata through _MetadataUnpickler, and the non-tensor items
-    (optimizer hyper-parameters) with weights_only=True (DCP's own planner uses weights_only=False)."""
+    (optimizer hyper-parameters) with weights_only=True (DCP's own planner uses weights_only=False). With an
+    s3.Store, `path` is an s3:// URI that each rank reads its own part of, through s3torchconnector."""
     # DCP takes seconds to import and only training needs it: hence the imports and classes in here.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._traverse import set_element
@@ -546,9 +845,10 @@ def _dcp_load(state: dict, path: str) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    metadata = read_metadata(path)  # here, not only inside DCP, whose wrapping would bury the one-line reason
+    # Here, not only inside DCP, whose wrapping would bury the one-line reason.
+    metadata = read_metadata(path) if store is None else _s3_metadata(store, path)
 
-    class SafeReader(dcp.FileSystemReader):
+    class SafeReader(dcp.FileSystemReader if store is None else store.reader_class()):
         def read_metadata(self, *args, **kwargs):
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -569,7 +869,7 @@ def _dcp_load(state: dict, path: str) -> None:
         raise CheckpointError(f"{path}: {_one_line(e)}") from None
 
 
-def load_train_checkpoint(path: str, model, optimizer, rank: int) -> None:
+def load_train_checkpoint(path: str, model, optimizer, rank: int, store=None) -> None:
     """Restore model + optimizer shards (any world size: DCP reshards) and this rank's RNG. What the run was
     (step, inputs) is `read_train_state(path)`, which `resume` reads first, to refuse another run's checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -579,14 +879,23 @@ def load_train_checkpoint(path: str, model, optimizer, rank: int) -> None:
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
-    _dcp_load(state, path)
+    _dcp_load(state, path, store)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    if store is not None:
+        key = f"{store.where.key(path.removeprefix(store.uri).strip('/'))}/rng-{rank:05d}.safetensors"
+        if key in store.list(key):  # absent when resuming on more ranks than saved: fresh RNG for those
+            _set_rng(load(store.get(key)))
+        return
     rng_file = os.path.join(path, f"rng-{rank:05d}.safetensors")
     if os.path.isfile(rng_file):  # absent when resuming on more ranks than saved: fresh RNG for those
         with safe_open(rng_file, "pt") as f:
-            torch.set_rng_state(f.get_tensor("cpu"))
-            if torch.cuda.is_available() and "cuda" in f.keys():
-                torch.cuda.set_rng_state(f.get_tensor("cuda"))
+            _set_rng({k: f.get_tensor(k) for k in f.keys()})
+
+
+def _set_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available() and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 # ---------------------------------------------------------------- resume: the one call train.py makes
@@ -606,6 +915,27 @@ def _on_rank0(fn, rank: int):
     if kind == "error":
         raise CheckpointError(value)
     return value
+
+
+def _agreed(names: list[str], where: str, proc: Process) -> list[str]:
+    """The checkpoint names every rank sees in `where`; a disagreement is an error, never one rank's view.
+
+    "Nothing to resume" decided on one rank's disk alone was a silent start from step 0 when that rank's host had
+    an empty dir and another host the checkpoints (and that host's prune then removed them).
+    """
+    views = [names]
+    if dist.is_initialized() and proc.world_size > 1:
+        views = [None] * proc.world_size
+        dist.all_gather_object(views, names)
+    for rank, view in enumerate(views):
+        if view != views[0]:
+            shown = lambda v: v[0] if v else "none"  # noqa: E731
+            raise CheckpointError(
+                f"{where}: the ranks see different checkpoints (rank 0 sees {len(views[0])}, newest "
+                f"{shown(views[0])}; rank {rank} sees {len(view)}, newest {shown(view)}): on several hosts "
+                f"checkpoints need a place every host sees (s3://BUCKET/PREFIX, or a shared file system)"
+            )
+    return views[0]
 
 
 def _first_error(error: str | None) -> str | None:

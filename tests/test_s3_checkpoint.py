@@ -1,0 +1,231 @@
+"""Checkpoints straight to S3 (minilm_az/s3.py, checkpoint.S3Checkpointer), against a local S3 server
+(tests/s3_server.py).
+
+A job here is two simulated hosts of 2 processes each, started with torchrun's environment (RANK, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR...), each host with its own --out and its own SM_CURRENT_HOST, sharing nothing but
+the S3 prefix and loopback. A restart is a new job; a kill is SIGKILL to every process of both hosts at a random
+moment. What a restart must do is decided here from S3's listing alone (boto3, not the code under test): resume
+from the newest checkpoint that has its commit object, or, when the prefix holds checkpoint objects but no
+commit, exit 2 in one line and delete nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from s3_server import S3Server, free_port  # noqa: E402
+from test_multihost import TRAIN, _assert_same_model, _one_process  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+# A save every step, in the background; one val micro-batch an evaluation (it changes neither model nor RNG).
+ARGV = [*TRAIN[1:6], str(STEPS), *TRAIN[7:], "--eval-batches", "1", "--checkpoint-every", "1"]
+REFERENCE = [*ARGV[:-2], "--checkpoint-every", "0"]  # no checkpoint before its end
+# Kills of both hosts at random moments. 20 is the issue's count; MINILM_AZ_S3_KILLS raises it for a longer run.
+KILLS = int(os.environ.get("MINILM_AZ_S3_KILLS", 20))
+SEED = 20270101
+COMMIT = "commit.json"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server.start(tmp_path_factory.mktemp("s3server"))
+    yield server
+    server.stop()
+
+
+_buckets = iter(range(10**6))
+
+
+def new_bucket(s3: S3Server) -> str:
+    name = f"ckpt-{os.getpid()}-{next(_buckets)}"
+    s3.make_bucket(name)
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs of two simulated hosts
+
+
+class Job:
+    """One launch of a job: `hosts` hosts of `nproc` processes each, their output lines collected per host."""
+
+    def __init__(self, argv: list[str], workdir: Path, env: dict, hosts: int = 2, nproc: int = 2):
+        self.lines: list[list[str]] = [[] for _ in range(hosts)]
+        self.nproc = nproc
+        self.procs: list[subprocess.Popen] = []
+        self.outs = [workdir / f"algo-{k + 1}" / "out" for k in range(hosts)]
+        port = free_port()
+        # The workers as torchrun starts them (its environment contract), without the agents: a restart then costs
+        # four interpreters, not six, on CI's two cores. Each host has its own name and its own --out.
+        for rank in range(hosts * nproc):
+            k, local = divmod(rank, nproc)
+            host_env = {
+                **env,
+                **dict(RANK=rank, WORLD_SIZE=hosts * nproc, LOCAL_RANK=local, LOCAL_WORLD_SIZE=nproc),
+                **dict(GROUP_RANK=k, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID="s3-test"),
+                "SM_CURRENT_HOST": f"algo-{k + 1}",
+                "OMP_NUM_THREADS": "1",
+            }
+            cmd = [sys.executable, "train.py", *argv, "--out", str(self.outs[k])]
+            p = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env={key: str(v) for key, v in host_env.items()},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            self.procs.append(p)
+            threading.Thread(target=self._read, args=(p, self.lines[k]), daemon=True).start()
+
+    @staticmethod
+    def _read(p: subprocess.Popen, into: list[str]) -> None:
+        for line in p.stdout:
+            into.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> bool:
+        """Until host 1 logs a line matching `pattern` (True), or both hosts ended first (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(re.search(pattern, ln) for ln in list(self.lines[0])):
+                return True
+            if all(p.poll() is not None for p in self.procs):
+                return any(re.search(pattern, ln) for ln in list(self.lines[0]))
+            time.sleep(0.02)
+        raise AssertionError(f"no line {pattern!r} in {timeout} s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL every process of every host, and anything they started."""
+        pids = set()
+        for p in self.procs:
+            pids |= _tree(p.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.wait()
+
+    def wait(self, timeout: float = 180) -> list[int]:
+        """Each host's exit status: its first process's that failed, else 0 (as torchrun's agent reports it)."""
+        codes = [p.wait(timeout=timeout) for p in self.procs]
+        time.sleep(0.05)  # the reader threads take the last lines
+        per_host = [codes[k * self.nproc : (k + 1) * self.nproc] for k in range(len(self.outs))]
+        return [next((c for c in host if c), 0) for host in per_host]
+
+    def log(self, k: int = 0) -> str:
+        return "\n".join(self.lines[k])
+
+
+def _tree(pid: int) -> set[int]:
+    """pid and every process below it."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += children.get(p, [])
+    return found
+
+
+def committed(s3: S3Server, bucket: str, prefix: str) -> tuple[list[str], list[str]]:
+    """(names of committed checkpoints, newest first; every checkpoint name S3 has an object of), from boto3."""
+    files: dict[str, set[str]] = {}
+    for key in s3.keys(bucket, prefix):
+        name, _, file = key[len(prefix) :].partition("/")
+        files.setdefault(name, set()).add(file)
+    step = lambda n: (int(n.split("-")[1]), n)  # noqa: E731
+    return sorted((n for n, f in files.items() if COMMIT in f), key=step, reverse=True), sorted(files, key=step)
+
+
+def commits_point_at_objects(s3: S3Server, bucket: str, prefix: str) -> None:
+    """Every commit object lists only objects that S3 holds, at the size it lists."""
+    objects = s3.objects(bucket, prefix)
+    for key in objects:
+        if key.endswith("/" + COMMIT):
+            folder = key[: -len(COMMIT)]
+            listed = json.loads(s3.boto().get_object(Bucket=bucket, Key=key)["Body"].read())["objects"]
+            for file, size in listed.items():
+                assert objects.get(folder + file) == size, (key, file)
+
+
+def resumed_from(log: str) -> str | None:
+    found = re.search(r"^resume from=\S*/(step-\d{8}-[0-9a-f]{8}) step=", log, re.M)
+    return found.group(1) if found else None
+
+
+@pytest.mark.slow
+def test_two_hosts_killed_at_random_resume_from_the_newest_commit_and_finish_as_one_process(
+    s3, tmp_path, container_shards_dir, small_tokenizer_dir
+):
+    rng = np.random.default_rng(SEED)
+    pool = ThreadPoolExecutor(1)
+    inputs = ["--data", container_shards_dir, "--tokenizer", small_tokenizer_dir]
+    reference = pool.submit(_one_process, REFERENCE, tmp_path / "one", container_shards_dir, small_tokenizer_dir)
+    pool.shutdown(wait=False)
+    env = {**os.environ, **s3.env()}
+    bucket, episodes, kills, runs, never = new_bucket(s3), 0, 0, 0, False
+    seen = {"resumed": 0, "refused": 0, "mid-save": 0}
+    while kills < KILLS or episodes == 0:
+        runs += 1
+        prefix = f"job-{episodes}/phase2/"
+        whole, names = committed(s3, bucket, prefix)
+        before = s3.objects(bucket, prefix)
+        refuse = names and not whole and not never
+        start = 0 if never or not whole else int(whole[0].split("-")[1])
+        argv = [*ARGV, *inputs, "--checkpoint-dir", f"s3://{bucket}/job-{episodes}"]
+        job = Job([*argv, *(["--resume", "never", "--overwrite"] if never else [])], tmp_path / f"run-{runs}", env)
+        killing = kills < KILLS and start < STEPS and not refuse
+        if killing:  # up to a second after a step's line: inside the next step, its save, its commit or the export
+            at = int(rng.integers(start + 1, min(start + 3, STEPS + 1)))  # a restart costs more than a step
+            if job.wait_for(rf"^train step={at} "):
+                time.sleep(float(rng.uniform(0, 1)))
+            job.kill()
+        codes = job.wait()
+        story = f"run {runs}: S3 held {names}, committed {whole}\n--- algo-1 ---\n{job.log(0)}\n--- algo-2 ---\n"
+        story += job.log(1)
+        commits_point_at_objects(s3, bucket, prefix)
+        if refuse:  # objects but no commit: one line, exit 2, nothing deleted
+            assert codes[0] != 0 and codes[0] != -9, story
+            for k in (0, 1):
+                errors = [ln for ln in job.log(k).splitlines() if ln.startswith("train.py: error:")]
+                assert len(errors) == 1 and "no checkpoint can be resumed" in errors[0], story
+            assert s3.objects(bucket, prefix) == before, story
+            seen["refused"] += 1
+            never = True
+            continue
+        assert resumed_from(job.log(0)) == (whole[0] if whole and not never else None), story
+        seen["resumed"] += bool(resumed_from(job.log(0)))
+        never = False
+        if codes == [0, 0]:  # this job ran to the end: the model of an unbroken run
+            _assert_same_model(job.outs[0], reference.result(), list(range(start + 1, STEPS + 1)))
+            episodes += 1
+            continue
+        assert killing and codes[0] == -9, story
+        kills += 1
+        after, names_after = committed(s3, bucket, prefix)
+        seen["mid-save"] += bool(set(names_after) - set(after))  # a save was being written when the hosts went
+    print(f"{runs} jobs, {kills} kills, {episodes} finished, {seen}")
+    assert seen["resumed"] >= KILLS // 3 and seen["mid-save"] >= KILLS // 5, seen
