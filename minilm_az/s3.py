@@ -3,8 +3,9 @@
 Where and who follow the AWS conventions, so that one command works on SageMaker, on a laptop and against
 MinIO or a local test server: the endpoint is AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, else AWS's own; the
 region is AWS_REGION, else AWS_DEFAULT_REGION; the credentials come from the usual chain (environment, profile,
-the instance's or the job's role). `Store` holds one client and does the few things the checkpointer needs
-besides DCP's own writer and reader: put, get, list and delete small objects, and a write probe at start.
+the instance's or the job's role); the attempts of a request from AWS_MAX_ATTEMPTS. `Store` holds one client and
+does the few things the checkpointer needs besides DCP's own writer and reader: put, get, list and delete small
+objects, and a write probe at start.
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ class Store:
         if not self.region:
             raise S3Error(f"{uri}: no AWS region: set AWS_REGION (or AWS_DEFAULT_REGION) to the bucket's region")
         self.endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-        # A custom endpoint (MinIO, a local server) names buckets in the path, not in the host name.
-        self.config = S3ClientConfig(force_path_style=self.endpoint is not None)
+        # A custom endpoint (MinIO, a local server) names buckets in the path, not in the host name. The client
+        # retries a throttled or failed request (503 SlowDown, 500, a reset connection) up to AWS_MAX_ATTEMPTS
+        # times in all, with backoff, as AWS's SDKs do; 10 when unset.
+        attempts = os.environ.get("AWS_MAX_ATTEMPTS", "10")
+        if not attempts.isdigit() or int(attempts) < 1:
+            raise S3Error(f"AWS_MAX_ATTEMPTS={attempts}: not a whole number of attempts >= 1")
+        self.config = S3ClientConfig(force_path_style=self.endpoint is not None, max_attempts=int(attempts))
         self.client = S3Client(self.region, endpoint=self.endpoint, s3client_config=self.config)
 
     def put(self, key: str, data: bytes) -> None:

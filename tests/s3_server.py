@@ -144,7 +144,8 @@ def _with_faults(app, faults_file: str):
                 status = int(faults.get("put_status", 503))
                 code = {500: "InternalError", 503: "SlowDown"}.get(status, "InternalError")
                 body = f"<Error><Code>{code}</Code><Message>injected by s3_server</Message></Error>".encode()
-                start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Connection", "close")])
+                headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
+                start_response(f"{status} Injected", headers)
                 environ["wsgi.input"].read()  # drain the body, so that the client reads the answer
                 return [body]
         return app(environ, start_response)
