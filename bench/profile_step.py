@@ -29,7 +29,11 @@ KINDS = [  # (kind, substrings of a kernel name), first match wins
     ("attention backward", ("flash_bwd", "attn_bwd", "fmha_bwd", "_bwd_kernel", "sdpa_sm90_flash_bprop")),
     ("attention forward", ("flash_fwd", "attn_fwd", "fmha_fwd", "_fwd_kernel", "sdpa_sm90_flash_fprop")),
     ("cross-entropy (FLCE)", ("cross_entropy", "liger_cross", "_ce_", "element_mul")),
-    ("rmsnorm/rope/swiglu", ("rms_norm", "rope", "swiglu", "silu")),
+    # Inductor names a fused kernel after its ops: a float8 cast fused with a norm carries both, so casts first.
+    ("float8 casts and amax", ("float8", "fp8", "amax", "abs_max", "clamp_max_clamp_min")),
+    ("rmsnorm (+ residual add)", ("rms_norm", "rsqrt")),
+    ("rope", ("rope", "neg")),
+    ("swiglu", ("swiglu", "silu", "sigmoid")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("fsdp copy/cast", ("chunk_cat", "split_with_sizes", "all_gather", "reduce_scatter", "copy_kernel", "nccl")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "wgmma")),

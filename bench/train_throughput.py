@@ -31,12 +31,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minilm_az import parallel  # noqa: E402
+from minilm_az import kernels, parallel  # noqa: E402
 from minilm_az.hf import config_to_hf  # noqa: E402
 from minilm_az.kernels import select_ops  # noqa: E402
-from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
+from minilm_az.model import fuse_projections, get_preset, materialize, meta_model  # noqa: E402
 
 PEAK = 989e12
+FLCE_DEFAULT = kernels.FLCE_CHUNK_MEM
+SEQ = 2048  # the sequence length of this run (main sets it); FlexAttention's causal mask is built for it
 
 
 def matmul_peak(device) -> float:
@@ -55,12 +57,75 @@ def matmul_peak(device) -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
 
+def set_attention(kind: str) -> None:
+    """Which attention kernel the blocks get (run_row restores the defaults after each row).
+
+    `default` leaves SDPA's own choice (on Hopper with torch 2.11 that is cuDNN's fused attention), `flash` and
+    `cudnn` allow only that SDPA backend, `flex` routes the model's causal SDPA call to FlexAttention with a
+    causal BlockMask (Inductor generates its Triton kernels inside the compiled block).
+    """
+    if kind in ("flash", "cudnn"):
+        torch.backends.cuda.enable_flash_sdp(kind == "flash")
+        torch.backends.cuda.enable_cudnn_sdp(kind == "cudnn")
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+    elif kind == "flex":
+        from torch.nn.attention import flex_attention as flex
+
+        masks: dict = {}
+
+        def flex_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
+            if attn_mask is not None or not is_causal:
+                return SDPA(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+            # The mask is built before the first step (`prepare`), so the compiled block only reads it.
+            return flex.flex_attention(q, k, v, block_mask=masks[q.shape[-2]], enable_gqa=enable_gqa)
+
+        def causal(b, h, q, kv):
+            return kv <= q
+
+        def prepare(seq: int, device) -> None:
+            masks[seq] = flex.create_block_mask(causal, None, None, seq, seq, device=device)
+
+        flex_sdpa.prepare = prepare
+        torch.nn.functional.scaled_dot_product_attention = flex_sdpa
+    elif kind != "default":
+        raise ValueError(f"unknown attention {kind!r}")
+
+
+SDPA = torch.nn.functional.scaled_dot_product_attention  # the real one, restored by run_row
+
+
+def reset_attention() -> None:
+    torch.nn.functional.scaled_dot_product_attention = SDPA
+    for enable in ("flash", "mem_efficient", "cudnn", "math"):
+        getattr(torch.backends.cuda, f"enable_{enable}_sdp")(True)
+
+
 def build_ours(
-    cfg, device, liger: bool, compile: bool, ac: str, liger_blocks: bool = False, fp8: str = "none", **fp8_opts
+    cfg,
+    device,
+    liger: bool,
+    compile: bool,
+    ac: str,
+    liger_blocks: bool = False,
+    fp8: str = "none",
+    attention: str = "default",
+    fused_proj: bool = False,
+    flce_chunk_mem: int | None = None,
+    optimizer: str = "fused",
+    **fp8_opts,
 ):
+    """Our model and step. Levers (each a row's suffix): `attention` (set_attention), `fused_proj` (q/k/v and
+    gate/up as one GEMM each), `flce_chunk_mem` (Liger's FLCE chunk sizing, kernels.FLCE_CHUNK_MEM), `optimizer`
+    (AdamW fused or foreach)."""
+    # Read when the ops are selected, just below; None keeps the library's default.
+    kernels.FLCE_CHUNK_MEM = FLCE_DEFAULT if flce_chunk_mem is None else flce_chunk_mem
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
+    fuse_projections(model, fused_proj)
+    set_attention(attention)
+    if attention == "flex":
+        torch.nn.functional.scaled_dot_product_attention.prepare(SEQ, device)
     ag = fp8_opts.get("all_gather", False)
     reshard = not fp8_opts.get("keep_gathered")  # keep_gathered: the bf16 weights stay gathered for backward
     parallel.parallelize(
@@ -81,13 +146,14 @@ def build_ours(
 
         inductor.coordinate_descent_tuning, inductor.max_autotune = True, bool(fp8_opts.get("autotune"))
     materialize(model, device, seed=0)
-    return model, train_step(model, lambda x, y: model(x, targets=y), device, ag)
+    return model, train_step(model, lambda x, y: model(x, targets=y), device, ag, optimizer)
 
 
-def train_step(model, loss_fn, device, fp8_all_gather: bool = False):
-    """One optimizer step as both sides take it: loss, backward, clip to 1.0, fused AdamW."""
+def train_step(model, loss_fn, device, fp8_all_gather: bool = False, optimizer: str = "fused"):
+    """One optimizer step as both sides take it: loss, backward, clip to 1.0, AdamW (fused on CUDA)."""
+    fused = device.type == "cuda" and optimizer == "fused"
     opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused, foreach=not fused
     )
     parallel.fp8_scale_hook(model, opt, on=fp8_all_gather)
 
@@ -127,7 +193,55 @@ def build_peer(cfg, device, ac: bool, liger: bool = True):
     return hf, train_step(hf, loss_fn, device)
 
 
-def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
+def profile_steps(step, inp, tgt, steps: int = 2) -> dict:
+    """GPU time per step by kernel family (bench/profile_step.py's table) over `steps` more steps of a timed row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_step import kernel_times
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step(inp, tgt)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    per_kind, top = kernel_times(prof, steps)
+    busy = sum(per_kind.values())
+    kinds = dict(sorted(per_kind.items(), key=lambda kv: -kv[1]))
+    kinds["idle (wall - GPU busy)"] = wall * 1e3 - busy
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:20]
+    return {"wall_ms": wall * 1e3, "busy_ms": busy, "kinds_ms": kinds, "top_kernels_ms": dict(ranked)}
+
+
+# Levers a row name can add to a base with "+" (e.g. `ours_liger_compile+fused+flce4`), as build_ours options.
+LEVERS = {
+    "flash": {"attention": "flash"},
+    "cudnn": {"attention": "cudnn"},
+    "flex": {"attention": "flex"},
+    "fused": {"fused_proj": True},
+    "flce0": {"flce_chunk_mem": 0},  # Liger's own chunk sizing (the default before issue 39)
+    "flce4": {"flce_chunk_mem": 4},
+    "flce8": {"flce_chunk_mem": 8},
+    "foreach": {"optimizer": "foreach"},
+    "kg": {"keep_gathered": True},
+    "cdt": {"cdt": True},
+    "fa": {"fast_accum": True},
+}
+BASES = {"ours_liger_compile": {}, "ours_fp8_tensorwise": {"fp8": "tensorwise"}}
+
+
+def lever_builder(name: str, cfg, device, cuda: bool):
+    """The builder of a `base+lever+...` row: BASES' options, then each lever's (a ValueError names a bad one)."""
+    base, *levers = name.split("+")
+    if base not in BASES or not all(lever in LEVERS for lever in levers):
+        raise ValueError(f"unknown row {name!r}: a base of {sorted(BASES)} and levers of {sorted(LEVERS)}")
+    opts = dict(BASES[base])
+    for lever in levers:
+        opts.update(LEVERS[lever])
+    return lambda: build_ours(cfg, device, True, cuda, "none", **opts)
+
+
+def run_row(name, builder, cfg, mb, seq, device, warmup, steps, profile: bool = False) -> dict:
     row = {"variant": name, "micro_batch": mb}
     gc.collect()
     if device.type == "cuda":
@@ -158,11 +272,17 @@ def run_row(name, builder, cfg, mb, seq, device, warmup, steps) -> dict:
             loss=float(loss),
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
         )
+        if profile and device.type == "cuda":
+            row["profile"] = profile_steps(step, inp, labels if peer else tgt)
     except torch.cuda.OutOfMemoryError:
         row.update(tokens_per_s=None, oom=True)
+    except Exception as e:  # noqa: BLE001 - a lever that fails to build or run is a row that says why
+        import traceback
+
+        traceback.print_exc()
+        row.update(tokens_per_s=None, error=f"{type(e).__name__}: {e}"[:400])
     finally:
-        torch.backends.cuda.enable_flash_sdp(True)
-        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        reset_attention()
         import torch._inductor.config as inductor
 
         inductor.coordinate_descent_tuning = inductor.max_autotune = False
@@ -185,12 +305,14 @@ def main():
     p.add_argument("--quick", action="store_true", help="tiny shapes, few rows: checks the script runs")
     p.add_argument("--only", default=None, help="comma-separated variant names to run")
     p.add_argument("--sizes", default=None, help="comma-separated micro-batch sizes to keep (default: all)")
+    p.add_argument("--profile", default=None, help="NAME@MB,...: profile 2 more steps of these rows (kernel families)")
     p.add_argument("--out", default="bench/train_throughput.json")
     args = p.parse_args()
+    global SEQ
     d = parallel.setup(args.device)
     device = d.device
     cfg = get_preset(args.preset, args.vocab)
-    seq = min(args.seq, cfg.max_seq_len)
+    seq = SEQ = min(args.seq, cfg.max_seq_len)
     cuda = device.type == "cuda"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -237,18 +359,31 @@ def main():
         name = f"ours_fp8_{recipe}" + "".join(f"_{k}" for k in opts) + ("_ac_full" if ac == "full" else "")
         build = lambda r=recipe, a=ac, o=opts: build_ours(cfg, device, True, cuda, a, fp8=r, **o)  # noqa: E731
         plan.append((name, build, sizes))
-    if args.only:
-        keep = set(args.only.split(","))
-        plan = [r for r in plan if r[0] in keep]
+    if args.only:  # the rows named, in the order named; `base+lever+...` names are built from LEVERS
+        named = dict((r[0], r) for r in plan)
+        plan = []
+        for entry in args.only.split(","):
+            name, _, only_sizes = entry.partition("@")  # NAME@14:28 keeps those micro-batches of the row
+            if name in named:
+                row = named[name]
+            elif "+" in name:
+                row = (name, lever_builder(name, cfg, device, cuda), mbs + big)
+            else:
+                continue
+            if only_sizes:
+                row = (row[0], row[1], [int(v) for v in only_sizes.split(":")])
+            plan.append(row)
     if args.sizes:
         keep_sizes = {int(v) for v in args.sizes.split(",")}
         plan = [(n, b, [m for m in sizes if m in keep_sizes]) for n, b, sizes in plan]
+    profile = {tuple(v.rsplit("@", 1)) for v in (args.profile or "").split(",") if "@" in v}
     peak_meas = matmul_peak(device)
     flops_tok = cfg.flops_per_token(seq)
     rows = []
     for name, builder, sizes in plan:
         for mb in sizes:
-            row = run_row(name, builder, cfg, mb, seq, device, args.warmup, args.steps)
+            prof = (name, str(mb)) in profile
+            row = run_row(name, builder, cfg, mb, seq, device, args.warmup, args.steps, prof)
             if row.get("tokens_per_s"):
                 row["mfu_989"] = 100 * flops_tok * row["tokens_per_s"] / PEAK
                 row["mfu_measured"] = 100 * flops_tok * row["tokens_per_s"] / peak_meas if cuda else float("nan")
@@ -265,7 +400,7 @@ def main():
     )
     for r in rows:
         if not r.get("tokens_per_s"):
-            print(f"{r['variant']:34s} {r['micro_batch']:3d} {'OOM':>9s}")
+            print(f"{r['variant']:34s} {r['micro_batch']:3d} {'OOM' if r.get('oom') else 'error':>9s}")
             continue
         ratio = r["tokens_per_s"] / peer_best if peer_best else float("nan")
         print(

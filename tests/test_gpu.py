@@ -166,3 +166,21 @@ def test_model_logits_with_liger_match_torch_ops(liger):
     with torch.no_grad():
         a, b = fused(x).float(), ref(x).float()
     assert (a - b).abs().max() < 0.1 * b.abs().max()
+
+
+def test_liger_flce_chunk_sizing_changes_only_the_sum_order(monkeypatch):
+    """kernels.FLCE_CHUNK_MEM (fewer, larger chunks of rows) gives Liger's loss and gradients at its own sizing."""
+    pytest.importorskip("liger_kernel")
+    h = torch.randn(8192, 2048, device=DEV, dtype=torch.bfloat16)
+    w = 0.02 * torch.randn(100_352, 2048, device=DEV, dtype=torch.bfloat16)
+    t = torch.randint(0, 100_352, (8192,), device=DEV)
+    t[::5] = -100
+    results = []
+    for sizing in (0, 4):
+        monkeypatch.setattr(kernels, "FLCE_CHUNK_MEM", sizing)
+        ops = kernels.select_ops(DEV, liger=True)
+        results.append(_grads(lambda h, w, ops=ops: ops.linear_cross_entropy(h, w, t), h, w))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
+    for x, y in zip(ga, gb, strict=True):
+        assert (x.float() - y.float()).norm() / y.float().norm() < 1e-2
