@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minilm_az import kernels, parallel  # noqa: E402
 from minilm_az.hf import config_to_hf  # noqa: E402
 from minilm_az.kernels import select_ops  # noqa: E402
-from minilm_az.model import fuse_projections, get_preset, materialize, meta_model  # noqa: E402
+from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
 
 PEAK = 989e12
 FLCE_DEFAULT = kernels.FLCE_CHUNK_MEM
@@ -109,20 +109,17 @@ def build_ours(
     liger_blocks: bool = False,
     fp8: str = "none",
     attention: str = "default",
-    fused_proj: bool = False,
     flce_chunk_mem: int | None = None,
     optimizer: str = "fused",
     **fp8_opts,
 ):
-    """Our model and step. Levers (each a row's suffix): `attention` (set_attention), `fused_proj` (q/k/v and
-    gate/up as one GEMM each), `flce_chunk_mem` (Liger's FLCE chunk sizing, kernels.FLCE_CHUNK_MEM), `optimizer`
-    (AdamW fused or foreach)."""
+    """Our model and step. Levers (each a row's suffix): `attention` (set_attention), `flce_chunk_mem` (Liger's
+    FLCE chunk sizing, kernels.FLCE_CHUNK_MEM), `optimizer` (AdamW fused or foreach)."""
     # Read when the ops are selected, just below; None keeps the library's default.
     kernels.FLCE_CHUNK_MEM = FLCE_DEFAULT if flce_chunk_mem is None else flce_chunk_mem
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
-    fuse_projections(model, fused_proj)
     set_attention(attention)
     if attention == "flex":
         torch.nn.functional.scaled_dot_product_attention.prepare(SEQ, device)
@@ -213,12 +210,11 @@ def profile_steps(step, inp, tgt, steps: int = 2) -> dict:
     return {"wall_ms": wall * 1e3, "busy_ms": busy, "kinds_ms": kinds, "top_kernels_ms": dict(ranked)}
 
 
-# Levers a row name can add to a base with "+" (e.g. `ours_liger_compile+fused+flce4`), as build_ours options.
+# Levers a row name can add to a base with "+" (e.g. `ours_fp8_tensorwise+flce0+kg`), as build_ours options.
 LEVERS = {
     "flash": {"attention": "flash"},
     "cudnn": {"attention": "cudnn"},
     "flex": {"attention": "flex"},
-    "fused": {"fused_proj": True},
     "flce0": {"flce_chunk_mem": 0},  # Liger's own chunk sizing (the default before issue 39)
     "flce4": {"flce_chunk_mem": 4},
     "flce8": {"flce_chunk_mem": 8},

@@ -159,28 +159,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    # Off by default; `fuse_projections` turns it on for a model (bench/train_throughput.py measures it).
-    fused = False
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k and v of `x`: one GEMM over the three weights concatenated when fused, else three.
-
-        The concatenation is a fresh (3072, 2048) bf16 copy at each call (12 MB), and it lets the two thin
-        k/v GEMMs (2048 -> 512) run inside one wide GEMM in forward and in both backward products. Only plain
-        linears are fused: LoRA and float8 linears keep their own forward.
-        """
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if not (self.fused and all(type(m) is nn.Linear for m in projections)):
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        w = torch.cat([m.weight for m in projections])
-        return F.linear(x, w).split([m.out_features for m in projections], dim=-1)
-
     def forward(self, x, cos, sin, mask: Mask = None, cache: KVCache | None = None, pos: int = 0):
         B, T, _ = x.shape
-        q, k, v = self.project(x)
-        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = k.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.ops.apply_rope(q, k, cos, sin)
         if cache is not None:  # the new tokens attend to the cached ones too
             k, v = cache.update(self.layer_idx, pos, k, v)
@@ -200,21 +183,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    fused = False  # gate and up in one GEMM, as Attention.project does for q, k and v
-
     def forward(self, x):
-        if self.fused and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.ops.swiglu(gate, up))
-
-
-def fuse_projections(model: nn.Module, on: bool = True) -> None:
-    """Run q/k/v and gate/up each as one GEMM over concatenated weights (same weights, names and checkpoints)."""
-    for module in model.modules():
-        if isinstance(module, (Attention, MLP)):
-            module.fused = on
+        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
