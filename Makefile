@@ -28,14 +28,19 @@ define step
 	echo "    $$said after $$(($$(date +%s) - t0)) s"; exit $$rc
 endef
 CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
-TORCH_FROM = $(if $(TORCH_INDEX),from $(TORCH_INDEX),from PyPI: on Linux the CUDA build (several GB); for the CPU \
-	build (~200 MB) run make with TORCH_INDEX=$(CPU_TORCH_INDEX))
+TORCH_FROM = $(if $(TORCH_INDEX),from $(TORCH_INDEX),from pip's default index (a wheel already on disk if pip has one); \
+	the line after it says which build came)
 
+# After torch, one line says which build pip actually took: on Linux PyPI's torch is the CUDA build (several GB),
+# while a wheel already on disk or the CPU index gives the CPU build (~200 MB).
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@echo "setup: installing into $(VENV): ~4-6 min on 2 cores plus the downloads; later runs reuse it"
 	$(call step,1/3,python3 -m venv $(VENV) (~10 s),python3 -m venv $(VENV))
 	$(call step,2/3,pip install $(TORCH) (~1 min plus the download) $(TORCH_FROM),\
 	$(VENV)/bin/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
+	@$(VENV)/bin/python -c "import torch; b = 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU'; \
+	print(f'    torch {torch.__version__}: the {b} build' + ('' if b == 'CPU' else \
+	' (several GB; for the CPU build: make ... TORCH_INDEX=$(CPU_TORCH_INDEX))'))"
 	$(call step,3/3,pip install -e '.[dev]': the project and ~140 packages for tests and the demo (3-4 min),\
 	$(VENV)/bin/python -m pip install -q -e ".[dev]")
 	touch $@
