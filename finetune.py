@@ -221,6 +221,8 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
         if meter.due(done):
             w, tps = meter.flush(done), round(n_tokens / dt)
             log.log("finetune", step=done, loss=w["loss"], lr=lr, grad_norm=gn, tokens_per_s=tps, eta=w["eta"])
+            if note := meter.long_plan(done, proc.device.type):
+                log.info(note)
         if val and (done % cfg.eval_every == 0 or done == steps):
             log.log("eval", step=done, val_loss=evaluate(model, val, cfg, proc, pad_id))
         control.save(done, last_step=done == steps)

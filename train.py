@@ -256,6 +256,8 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
             log.log(
                 "train", step=done, loss=stats["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=stats["eta"]
             )
+            if note := meter.long_plan(done, proc.device.type):
+                log.info(note)
         if (flags.eval_every and done % flags.eval_every == 0) or done == plan.steps:
             log.log("eval", step=done, **evaluate(model, *val, plan, proc, log, done))
         control.save(done, last_step=done == plan.steps)

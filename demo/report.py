@@ -562,8 +562,10 @@ def _window_note(r: Run) -> list[str]:
     return [
         f"**The eval window.** BPB is measured on consecutive windows of **{n} tokens** of the val stream{same}: "
         "a token is predicted from at most the tokens before it in its window, so BPB depends on the window "
-        "length, and a longer window scores lower. Compare these numbers only with numbers measured in the same "
-        f"window. {n} tokens span "
+        "length. A longer window gives more context only up to the length the model was trained at; past it the "
+        "positions are new to the model and BPB can rise (the demo's models, trained at 128, score a little higher "
+        "at 1,024). Compare these numbers only with numbers measured in the same window. "
+        f"{n} tokens span "
         + " and ".join(reach or ["–"])
         + " (on average): at one window length, a tokenizer with longer tokens also gives its model more context.",
         "",

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -47,6 +48,36 @@ MARKER = "demo.json"  # proves a run directory is a demo's, so a rerun may repla
 # Measured with `time make demo` (8m12s, 10m04s) / `time make demo-quick` (1m23s) on 2 CPU cores that other
 # jobs shared (load 3-6); the Makefile says the same.
 DURATIONS = "the full demo takes 6-10 min on 2 CPU cores, --quick ~1.5 min"
+
+
+def readme_drift(readme: str, bpb: dict[str, float | None], minutes: float, cpus: int | None) -> list[str]:
+    """Lines comparing a full demo's measured val BPB and minutes with the README's sentences about them: the BPB
+    within the tolerance the README states, the minutes inside its range when the run had 2 cores, as it says.
+    Each line starts "README:" and says "differs" where the README needs this run's numbers."""
+    text = re.sub(r"\s+", " ", readme)
+    said = re.search(
+        r"measured val BPB ([\d.]+) \(the base stand-in\) → ([\d.]+) \(phase 1\) → ([\d.]+) \(phase 2\), and "
+        r"([\d.]+) for the control \(a fresh run lands within ±([\d.]+) of each",
+        text,
+    )
+    span = re.search(r"`make demo` takes (\d+)-(\d+) min on 2 CPU cores", text)
+    if not (said and span):
+        return ["README: differs: it no longer states the demo's val BPB and minutes in the sentences this check reads"]
+    tol = float(said[5])
+    out = []
+    for stage, stated in zip(("base", "phase1", "phase2", "control"), said.groups()[:4]):
+        got = bpb.get(stage)
+        if got is None:
+            out.append(f"README: {stage} val BPB: this run measured none, the README says {stated}")
+        elif abs(got - float(stated)) > tol:
+            out.append(f"README: {stage} val BPB {got:.3f} differs from the README's {stated} by more than ±{tol}")
+    lo, hi = int(span[1]), int(span[2])
+    if cpus != 2:
+        out.append(f"README: {minutes:.1f} min on {cpus} cores, not compared with the README's {lo}-{hi} (2 cores)")
+    elif not lo <= minutes <= hi:
+        out.append(f"README: {minutes:.1f} min differs from the README's {lo}-{hi} min on 2 cores (busy cores?)")
+    return out or [f"README: val BPB within ±{tol} of its figures and {minutes:.1f} min inside its {lo}-{hi} min"]
+
 
 PROMPTS = ("Azərbaycanın paytaxtı hansı şəhərdir?", "Çay necə dəmlənir?")
 
@@ -517,6 +548,14 @@ def run_demo(
 
     report = write_report(run)
     print(f"demo: finished in {time.time() - t_start:.0f} s; report: {os.path.relpath(report)}", flush=True)
+    if cfg == DemoConfig():  # the README's figures are the full demo's; other sizes have nothing to compare with
+        from demo.report import load_run
+
+        r = load_run(run)
+        bpb = {name: r.bpb(name) for name in ("base", "phase1", "phase2", "control")}
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            for line in readme_drift(f.read(), bpb, meta["seconds"] / 60, os.cpu_count()):
+                print(line, flush=True)
     return report
 
 

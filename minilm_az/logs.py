@@ -56,6 +56,8 @@ class Progress:
         self.steps = 0  # steps since the last flush
         self.sums: dict[str, float] = {}
         self.last = time.monotonic()
+        self.step_s = 0.0  # the mean step time of the last flushed window
+        self.judged = False  # whether long_plan has looked at a window yet
 
     def add(self, seconds: float, **values: float) -> None:
         """Record one step: its time (evals and checkpoints left out) and the values to average."""
@@ -73,8 +75,30 @@ class Progress:
         out = {k: v / max(self.steps, 1) for k, v in self.sums.items()}
         out["steps_per_s"] = self.steps / max(self.window, 1e-9)
         out["eta"] = eta(done - self.start, self.total - self.start, self.busy)
+        self.step_s = self.window / max(self.steps, 1)
         self.window, self.steps, self.sums, self.last = 0.0, 0, {}, time.monotonic()
         return out
+
+    # A plan whose measured steps put its end further out than this is more likely sizes meant for other hardware
+    # (the 1B recipe started on a laptop's CPU) than a job someone means to wait for: one line says so.
+    LONG_PLAN_S = 12 * 3600
+
+    def long_plan(self, done: int, device: str) -> str | None:
+        """Once, after the first window that counts: a line when the rest of the plan, at that window's step time,
+        would take more than LONG_PLAN_S. On CUDA the first step holds compilation and warm-up, so the second
+        window decides there; on a CPU the first step is already typical."""
+        if self.judged or (device == "cuda" and done == self.start + 1):
+            return None
+        self.judged = True
+        left = self.step_s * (self.total - done)
+        if left < self.LONG_PLAN_S:
+            return None
+        return (
+            f"plan: {self.total - done:,} more steps at {self.step_s:.1f} s a step on {device} is about "
+            f"{left / 3600:,.0f} h; the work comes from the model (--preset or --base-model), --steps, --seq-len and "
+            "--global-batch (the README's CPU block trains the demo's tiny models with --steps 10 --seq-len 128 "
+            "--global-batch 4); Ctrl-C stops after this step"
+        )
 
 
 PEAK_FLOPS = 989e12  # dense bf16 of an H100/H200 SXM, the MFU denominator
