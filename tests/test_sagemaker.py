@@ -192,7 +192,7 @@ def test_container_argv_is_sorted_flags_with_plain_values():
     sent = _as_sent(plan.hyperparameters) | {"sagemaker_program": '"train.py"'}
     assert sm.container_args(sent) == [
         "--checkpoint-dir",
-        "/opt/ml/checkpoints",
+        f"s3://{BUCKET}/minilm-az/checkpoints/{plan.job_name}/",  # every rank writes there itself
         "--compile",
         "true",
         "--data",
@@ -328,7 +328,8 @@ def test_train_launch_creates_a_torchrun_job_with_our_settings(aws, project):
     channels = {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in job["InputDataConfig"]}
     assert channels == {"data": "s3://corp/shards/", "base_model": "s3://corp/p1/model/", "tokenizer": "s3://corp/tok/"}
     ckpt = f"s3://{BUCKET}/minilm-az/checkpoints/{launched.job_name}/"
-    assert job["CheckpointConfig"] == {"S3Uri": ckpt, "LocalPath": "/opt/ml/checkpoints"}
+    # The script writes its checkpoints to S3 itself; no CheckpointConfig sync (docs/sagemaker.md says why).
+    assert "CheckpointConfig" not in job and json.loads(hps["checkpoint-dir"]) == ckpt
     assert job["EnableManagedSpotTraining"] is True
     assert job["StoppingCondition"] == {"MaxRuntimeInSeconds": 48 * 3600, "MaxWaitTimeInSeconds": 96 * 3600}
     assert job["OutputDataConfig"]["CompressionType"] == "NONE"
@@ -355,7 +356,7 @@ def test_uploaded_source_holds_the_code_and_requirements_but_not_runs(aws, proje
     assert not any(n.startswith(("runs", "tests", ".git")) or "__pycache__" in n for n in names)
     reqs = uploaded_source(aws, launched.request).extractfile("requirements.txt").read().decode()
     lines = [ln.split("#")[0].strip() for ln in reqs.splitlines()]
-    assert ".[prep,tensorboard]" in lines and any(ln.startswith("liger-kernel") for ln in lines)
+    assert ".[prep,tensorboard,s3]" in lines and any(ln.startswith("liger-kernel") for ln in lines)
     assert not any(re.match(r"torch\s*([<>=~!;#]|$)", ln) for ln in lines)  # the image's torch stays (torchao may)
 
 
@@ -423,7 +424,7 @@ def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, pr
     assert "sagemaker_torch_distributed_enabled" not in req["HyperParameters"]
     assert sm.container_args(req["HyperParameters"]) == [
         "--checkpoint-dir",
-        "/opt/ml/checkpoints",
+        f"s3://{BUCKET}/minilm-az/checkpoints/{req['TrainingJobName']}/",
         "--data",
         "/opt/ml/input/data/data",
         "--lora-r",
@@ -439,8 +440,7 @@ def test_finetune_launch_is_one_gpu_process_with_model_and_data_channels(aws, pr
     ]
     assert req["AlgorithmSpecification"]["MetricDefinitions"] == list(sm.FINETUNE_METRICS)
     # A fine-tune checkpoints too (finetune.py resumes with --resume auto), into the job's own S3 prefix.
-    assert req["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
-    assert req["CheckpointConfig"]["S3Uri"].endswith(f"/checkpoints/{req['TrainingJobName']}/")
+    assert "CheckpointConfig" not in req
 
 
 def test_relaunch_with_the_same_checkpoint_prefix_resumes_there(aws, project):
@@ -460,7 +460,17 @@ def test_relaunch_with_the_same_checkpoint_prefix_resumes_there(aws, project):
         ],
     )
     assert again.job_name != first.job_name
-    assert again.request["CheckpointConfig"]["S3Uri"] == first.plan.checkpoint_uri
+    assert json.loads(again.request["HyperParameters"]["checkpoint-dir"]) == first.plan.checkpoint_uri
+
+
+def test_a_checkpoint_prefix_the_launching_credentials_cannot_list_is_one_line_before_any_job(aws, project, capsys):
+    argv = ["train", "--phase", "2", "--data", "s3://corp/shards/", "--checkpoint-s3", "s3://no-such-bucket-37/ck/"]
+    with pytest.raises(SystemExit) as exit_:
+        launch(aws, project, argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]  # the SDK line's own note aside
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert "--checkpoint-s3 s3://no-such-bucket-37/ck/" in err[0] and "NoSuchBucket" in err[0], err
+    assert aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
 
 
 def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch, capsys):
@@ -471,7 +481,9 @@ def test_dry_run_prints_the_request_and_sends_nothing(aws, project, monkeypatch,
     assert printed["HyperParameters"]["phase"] == "2"
     assert "dry run, nothing sent: would create training job" in out.err
     assert (
-        "train.py --checkpoint-dir /opt/ml/checkpoints --data /opt/ml/input/data/data --out /opt/ml/model "
+        "train.py --checkpoint-dir s3://sagemaker-us-east-1-ACCOUNT/minilm-az/checkpoints/"
+        f"{printed['TrainingJobName']}/ "
+        "--data /opt/ml/input/data/data --out /opt/ml/model "
         "--phase 2 --steps 10" in out.err
     )
     assert aws.client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []

@@ -177,6 +177,8 @@ def job_view(request: dict, distribution: str | None) -> dict:
         command, argv = argv[0], argv[1:]
     cls = stage.configs[command]
     parsed = dataclasses.asdict(flags.parse_config(cls, flags.make_parser(cls, stage.script, "x"), argv))
+    if parsed.get("checkpoint_dir"):  # the S3 prefix holds the job's name, and so the launch's timestamp
+        parsed["checkpoint_dir"] = STAMP.sub("-STAMP", parsed["checkpoint_dir"])
     ckpt, tb = request.get("CheckpointConfig"), request.get("TensorBoardOutputConfig")
     return {
         "image": alg["TrainingImage"],

@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(
             "--checkpoint-s3",
             metavar="S3_URI",
-            help=f"synced with {CHECKPOINT_LOCAL_PATH}; reuse it to resume"
+            help="where every rank writes its checkpoints (the script's --checkpoint-dir); reuse it to resume"
             + (" (default: per job under the bucket)" if stage.checkpoints else ""),
         )
         m.add_argument("--volume-size", type=int, default=100, help="EBS GB per instance (default: %(default)s)")
@@ -599,17 +599,22 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
     for ch, fname in flags.channels(cls).items():
         if getattr(args, f"ch_{ch}"):
             hps[fname.replace("_", "-")] = f"{CONTAINER_INPUT}/{ch}"
+    job_name = args.job_name or _timestamped(base)
+    root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")
+    checkpoint_uri = args.checkpoint_s3 or (f"{root}/checkpoints/{job_name}/" if stage.checkpoints else None)
     for fname, path in flags.container_paths(cls).items():
-        if path != CHECKPOINT_LOCAL_PATH or stage.checkpoints or args.checkpoint_s3:
+        # Checkpoints go straight to S3 from every rank (minilm_az/s3.py): no host's disk holds a copy that
+        # SageMaker's per-host sync would have to bring there later (docs/checkpoints.md).
+        if path == CHECKPOINT_LOCAL_PATH:
+            if checkpoint_uri:
+                hps[fname.replace("_", "-")] = checkpoint_uri
+        else:
             hps[fname.replace("_", "-")] = path
     if args.instance_count > 1 and any(f.name == "replicate" for f in dataclasses.fields(cls)):
         # One model copy per instance, sharded over its GPUs, keeps the all-gathers on NVLink: HSDP is ahead on
         # p4d and ties on p5 (bench/comms_model.py). A --replicate the user passes still wins, just below.
         hps["replicate"] = args.instance_count
     hps.update(args.hyperparameters)
-    job_name = args.job_name or _timestamped(base)
-    root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")
-    checkpoint_uri = args.checkpoint_s3 or (f"{root}/checkpoints/{job_name}/" if stage.checkpoints else None)
     tensorboard = str(hps.get("tensorboard", "false")).lower() == "true"  # the script flag, passed through
     max_run_s = int(args.max_run_hours * 3600)
     max_wait_s = None
@@ -681,8 +686,6 @@ def build_estimator(plan: JobPlan, sagemaker_session: Any, source_dir: str | Pat
         kwargs["distribution"] = {"torch_distributed": {"enabled": True}}
     if plan.spot:
         kwargs.update(use_spot_instances=True, max_wait=plan.max_wait_s)
-    if plan.checkpoint_uri:
-        kwargs.update(checkpoint_s3_uri=plan.checkpoint_uri, checkpoint_local_path=CHECKPOINT_LOCAL_PATH)
     if plan.tensorboard_uri:
         from sagemaker.debugger import TensorBoardOutputConfig
 
@@ -726,7 +729,6 @@ def build_model_trainer(plan: JobPlan, session: Any, source_dir: str | Path):
     from sagemaker.core import image_uris
     from sagemaker.core.shapes import MetricDefinition
     from sagemaker.core.training.configs import (
-        CheckpointConfig,
         Compute,
         OutputDataConfig,
         SourceCode,
@@ -744,7 +746,6 @@ def build_model_trainer(plan: JobPlan, session: Any, source_dir: str | Path):
         instance_type=plan.instance_type,
         image_scope="training",
     )
-    checkpoint = CheckpointConfig(s3_uri=plan.checkpoint_uri, local_path=CHECKPOINT_LOCAL_PATH)
     trainer = ModelTrainer(
         sagemaker_session=session,
         role=plan.role,
@@ -766,7 +767,6 @@ def build_model_trainer(plan: JobPlan, session: Any, source_dir: str | Path):
             max_runtime_in_seconds=plan.max_run_s, max_wait_time_in_seconds=plan.max_wait_s
         ),
         output_data_config=OutputDataConfig(s3_output_path=plan.output_path, compression_type="NONE"),
-        checkpoint_config=checkpoint if plan.checkpoint_uri else None,
         training_input_mode=plan.input_mode,
         hyperparameters=v3_hyperparameters(plan.hyperparameters),
         environment=dict(plan.environment),
@@ -900,6 +900,8 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
             role = "arn:aws:iam::ACCOUNT:role/ROLE"
         bucket = bucket or session.default_bucket()
         plan = plan_job(args, bucket=bucket, role=role)
+        if plan.checkpoint_uri and not args.dry_run:
+            _check_checkpoint_prefix(boto_session, plan.checkpoint_uri)
         with tempfile.TemporaryDirectory(prefix="minilm-az-src-") as tmp:
             src = stage_source_dir(tmp, gpu=is_gpu_instance(plan.instance_type), root=root)
             BACKENDS[sdk](plan, session, src, args.wait and not args.dry_run)
@@ -916,6 +918,23 @@ def launch(args: argparse.Namespace, boto_session: Any = None, root: str | Path 
         raise RuntimeError(f"the SDK ({sdk}) sent no CreateTrainingJob request")
     plan = dataclasses.replace(plan, job_name=captured["TrainingJobName"])
     return Launched(plan=plan, request=captured, sent=not args.dry_run, sdk=sdk, region=region)
+
+
+def _check_checkpoint_prefix(boto_session: Any, uri: str) -> None:
+    """Before anything is billed: the checkpoint bucket exists and the launching credentials can list the prefix.
+
+    The job's role, not these credentials, writes there; train.py's write probe checks the role at start, and
+    docs/sagemaker.md lists the permissions it needs. A missing bucket or a bucket in another account shows here.
+    """
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    try:
+        boto_session.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    except Exception as e:  # botocore's ClientError (NoSuchBucket, AccessDenied) or a credentials error
+        code = getattr(e, "response", {}).get("Error", {}).get("Code") or type(e).__name__
+        _refuse(
+            f"--checkpoint-s3 {uri}: cannot list it with the launching credentials ({code}); the job's role needs "
+            "s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject there (docs/sagemaker.md)"
+        )
 
 
 def _sdk_session(sdk: str, boto_session: Any, bucket: str | None) -> tuple[Any, str | None]:
