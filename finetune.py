@@ -23,14 +23,14 @@ import torch
 from minilm_az import checkpoint, lora, parallel
 from minilm_az.bpb import rank_batches
 from minilm_az.chat import ChatFormatError, collate, micro_batches
-from minilm_az.config import FinetuneConfig
+from minilm_az.config import FinetuneConfig, check_argv
 from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained, saved_dtype
 from minilm_az.kernels import select_ops
 from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
-from minilm_az.outputs import atomic_write_json, file_sha256, own_subdir
+from minilm_az.outputs import atomic_write_json, check_finished, check_not_input, file_sha256, own_subdir
 from minilm_az.prep.chat_data import chat_files, encode_all, read_chat_files
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
@@ -39,7 +39,11 @@ MERGED_MARK = "merged_from_adapter.json"  # in OUT/merged: this model already ho
 
 def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     p = make_parser(FinetuneConfig, "finetune.py", __doc__)
-    cfg = parse_config(FinetuneConfig, p, argv)
+    try:  # an empty value, a flag that does nothing in this mode: one line naming the flag (config.check_values)
+        check_argv(FinetuneConfig, sys.argv[1:] if argv is None else argv)
+        cfg = parse_config(FinetuneConfig, p, argv)
+    except ValueError as e:
+        p.error(str(e))
     if not cfg.model:
         p.error("--model is required (the HF-format base model directory)")
     cfg.tokenizer = cfg.tokenizer or cfg.model
@@ -52,10 +56,10 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
         return cfg
     if not cfg.data:
         p.error("--data is required (a chat JSONL file or a directory of them)")
-    if os.path.abspath(cfg.out) in (os.path.abspath(cfg.model), os.path.abspath(cfg.data)):
-        p.error(f"--out {cfg.out} is also an input: the adapter would overwrite it")
-    try:
-        world = int(os.environ.get("WORLD_SIZE", 1))
+    try:  # compared as files: a symlink or a second name of an input is that input
+        inputs = {"--model": cfg.model, "--tokenizer": cfg.tokenizer, "--data": cfg.data, "--val-data": cfg.val_data}
+        check_not_input(cfg.out, inputs)
+        world = parallel.env_number("WORLD_SIZE", 1, lo=1)
         cfg.micro_batch, _ = parallel.split_batch(cfg.global_batch, world, cfg.micro_batch, largest=4)
         parallel.check_replicate(cfg.replicate, world)
     except ValueError as e:
@@ -202,6 +206,9 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
     control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
     start = ckpt.start(model, opt, must, may, log.info, steps, fresh, cfg.overwrite)
+    if not start and not fresh:  # nothing to continue from: a finished adapter is replaced only with --overwrite
+        mine = cfg.out if proc.is_main else None
+        parallel.agree(lambda: check_finished(mine, cfg.overwrite, cfg.checkpoint_dir), proc)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     elif val:

@@ -23,7 +23,7 @@ import torch
 
 from minilm_az import bpb, checkpoint, parallel
 from minilm_az import tokenizer as tk
-from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan
+from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan, check_argv
 from minilm_az.data import BatchStream
 from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
@@ -31,7 +31,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
-from minilm_az.outputs import file_sha256
+from minilm_az.outputs import check_finished, check_not_input, file_sha256
 from minilm_az.prep import readers
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
@@ -60,10 +60,9 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
     fp8_all_gather = parallel.check_fp8(
         flags.fp8, flags.fp8_all_gather, flags.compile, flags.device, world, flags.fp8_fast_accum
     )
-    for name in ("base_model", "base_tokenizer", "tokenizer", "data"):
-        path = getattr(flags, name)
-        if not flags.eval_only and path and os.path.abspath(path) == os.path.abspath(out):
-            raise UsageError(f"--out {out} is also --{name.replace('_', '-')}: the export would overwrite it")
+    if not flags.eval_only:  # compared as files: a symlink or a second name of an input is that input
+        inputs = ("base_model", "base_tokenizer", "tokenizer", "data")
+        check_not_input(out, {f"--{name.replace('_', '-')}": getattr(flags, name) for name in inputs})
     steps = flags.steps or recipe.steps
     return TrainPlan(
         flags=flags,
@@ -235,6 +234,8 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
     control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)
     start = ckpt.start(model, optimizer, must, may, log.info, plan.steps, fresh, flags.overwrite)
+    if not start and not fresh:  # nothing to continue from: a finished export is replaced only with --overwrite
+        parallel.agree(lambda: check_finished(plan.out if proc.is_main else None, flags.overwrite, ckpt_dir), proc)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     else:
@@ -278,6 +279,7 @@ def export(model, plan: TrainPlan, tok, proc: parallel.Process, log: MetricLogge
 
 
 def main(argv: list[str] | None = None) -> None:
+    check_argv(TrainConfig, sys.argv[1:] if argv is None else argv)  # `--steps ""` is not the default
     flags = parse_config(TrainConfig, make_parser(TrainConfig, "train.py", __doc__), argv)
     proc = parallel.setup(flags.device)
     try:

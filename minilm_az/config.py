@@ -9,7 +9,7 @@ output goes to. The launcher (launch/sagemaker.py) reads the same metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 CONTAINER_INPUT = "/opt/ml/input/data"  # fixed by SageMaker
@@ -33,6 +33,36 @@ PHASE_2 = PhaseRecipe(lr=0.0024, steps=15000, embeddings_only=False)
 
 def _f(default: Any, help: str, **meta) -> Any:
     return field(default=default, metadata={"help": help, **meta})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_values(cfg) -> None:
+    """Raise ValueError, naming the flag, for a value that cannot mean what was asked: an empty string (a path or a
+    prompt of nothing; leaving the flag out gives its default), or a flag that does nothing in this mode (a field
+    whose metadata says which flags it `needs`). Every config calls it as it is made, from flags or from code."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError(f"{_flag(f.name)} is empty; give a value, or leave the flag out for its default")
+        needs = f.metadata.get("needs", ())
+        if needs and value not in (None, False, f.default) and not any(getattr(cfg, n) for n in needs):
+            raise ValueError(
+                f"{_flag(f.name)} does nothing without {' or '.join(map(_flag, needs))}; drop it (it would be ignored)"
+            )
+
+
+def check_argv(cls, argv: list[str]) -> None:
+    """Raise ValueError for `--flag ""` or `--flag=` in argv, for any flag of `cls`: the parser reads an empty value
+    of an optional number as "use the default", which the user never asked for."""
+    names = {_flag(f.name) for f in fields(cls)}
+    for i, word in enumerate(argv):
+        key, eq, value = word.partition("=")
+        empty = (eq and value == "") or (not eq and word in names and i + 1 < len(argv) and argv[i + 1] == "")
+        if key in names and empty:
+            raise ValueError(f"{key} is empty; give a value, or leave the flag out for its default")
 
 
 # ---------------------------------------------------------------- train.py and finetune.py
@@ -63,6 +93,9 @@ class LoopFlags:
     overwrite: bool = _f(False, OVERWRITE + "; the same inputs continue their run without it")
     tensorboard: bool = _f(False, "TensorBoard event files too, in OUT/tensorboard (on SageMaker synced to S3)")
 
+    def __post_init__(self) -> None:
+        check_values(self)
+
 
 @dataclass
 class TrainConfig(LoopFlags):
@@ -79,7 +112,7 @@ class TrainConfig(LoopFlags):
     )
     steps: int | None = _f(None, f"optimizer steps (default: phase 1 {PHASE_1.steps}, phase 2 {PHASE_2.steps})", lo=1)
     lr: float | None = _f(
-        None, f"peak learning rate (default: phase 1 {PHASE_1.lr}, phase 2 {PHASE_2.lr})", lo=0.0, hi=1e6
+        None, f"peak learning rate (default: phase 1 {PHASE_1.lr}, phase 2 {PHASE_2.lr})", gt=0.0, hi=1e6
     )
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
     warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0)
@@ -100,7 +133,7 @@ class TrainConfig(LoopFlags):
     eval_only: bool = _f(False, "only evaluate BPB of --base-model with --tokenizer on --eval-text or val split")
     eval_text: list[str] | None = _f(None, "raw text files for BPB (default: the val split's documents)", nargs="+")
     device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
-    seed: int = _f(0, "seed for init and the data order")
+    seed: int = _f(0, "seed for init and the data order", lo=0)
     liger: bool = _f(True, "Liger fused kernels on CUDA (RMSNorm, RoPE, SwiGLU, fused linear CE)")
     compile: bool = _f(False, "torch.compile each transformer block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
@@ -121,6 +154,11 @@ class TrainConfig(LoopFlags):
     export_dtype: str = _f(
         "float32", "dtype of the exported safetensors (bfloat16 halves the size)", choices=("float32", "bfloat16")
     )
+
+    def __post_init__(self) -> None:
+        check_values(self)
+        if self.eval_only and self.tensorboard and not self.out:  # its records would go to no file at all
+            raise ValueError("--tensorboard with --eval-only needs --out, the directory its event files go to")
 
 
 @dataclass(frozen=True)
@@ -144,6 +182,9 @@ class TrainPlan:
 # ---------------------------------------------------------------- finetune.py
 
 
+TRY = ("chat", "prompt")  # the flags of finetune.py that try a model instead of training one
+
+
 @dataclass
 class FinetuneConfig(LoopFlags):
     model: str | None = _f(None, "HF-format Llama directory (the CPT export)", channel="model")
@@ -163,7 +204,7 @@ class FinetuneConfig(LoopFlags):
     on_bad_line: str = _f("fail", "malformed JSONL lines", choices=("fail", "skip"))
     last_turn_only: bool = _f(False, "train only the final assistant turn of each conversation")
     lora_r: int = _f(64, "LoRA rank", lo=1)
-    lora_alpha: float = _f(28.0, "LoRA scaling = alpha / r", lo=0.0)
+    lora_alpha: float = _f(28.0, "LoRA scaling = alpha / r (0 would train an adapter that does nothing)", gt=0.0)
     lora_dropout: float = _f(0.05, "dropout on the adapter's input", lo=0.0, hi=0.99)
     targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated projections")
     max_seq_len: int = _f(1024, "tokens per conversation (longer ones are truncated)", lo=2)
@@ -180,7 +221,7 @@ class FinetuneConfig(LoopFlags):
     )
     steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
     epochs: float = _f(1.0, "passes over the data when --steps is not given", gt=0.0)
-    lr: float = _f(2e-4, "peak learning rate", lo=0.0, hi=1e6)
+    lr: float = _f(2e-4, "peak learning rate", gt=0.0, hi=1e6)
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
     warmup: int = _f(10, "linear warm-up steps", lo=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", lo=0.0)
@@ -194,7 +235,7 @@ class FinetuneConfig(LoopFlags):
     global_batch: int = _f(16, "conversations per step, all processes", lo=1, hi=1 << 20)
     eval_every: int = _f(50, "val loss every N steps", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
-    seed: int = _f(0, "seed for the adapter init, dropout and the data order")
+    seed: int = _f(0, "seed for the adapter init, dropout and the data order", lo=0)
     merge: bool = _f(False, "also export base+adapter merged, as a HF model in OUT/merged")
     device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
     liger: bool = _f(True, "Liger's fused kernels on CUDA")
@@ -203,11 +244,11 @@ class FinetuneConfig(LoopFlags):
     replicate: int = _f(1, "HSDP: N copies of the model, each sharded over processes / N (one host)", lo=1)
     chat: bool = _f(False, "no training: interactive chat on stdin with --model (+ --adapter)")
     prompt: str | None = _f(None, "no training: one user message, print the reply and exit")
-    adapter: str | None = _f(None, "adapter dir for --chat/--prompt")
-    system: str | None = _f(None, "system prompt for --chat/--prompt")
-    max_new_tokens: int = _f(256, "reply length cap for --chat/--prompt", lo=1)
-    temperature: float = _f(0.7, "sampling temperature (0: greedy)", lo=0.0)
-    top_p: float = _f(0.9, "nucleus sampling mass", lo=1e-9, hi=1.0)
+    adapter: str | None = _f(None, "adapter dir for --chat/--prompt", needs=TRY)
+    system: str | None = _f(None, "system prompt for --chat/--prompt", needs=TRY)
+    max_new_tokens: int = _f(256, "reply length cap for --chat/--prompt", lo=1, needs=TRY)
+    temperature: float = _f(0.7, "sampling temperature (0: greedy)", lo=0.0, needs=TRY)
+    top_p: float = _f(0.9, "nucleus sampling mass", lo=1e-9, hi=1.0, needs=TRY)
 
 
 # ---------------------------------------------------------------- tokenize.py (one config per subcommand)
@@ -225,6 +266,9 @@ class CorpusConfig:
     text_field: str = _f("text", ".jsonl field / .parquet column holding the text")
     errors: str = _f("strict", "invalid UTF-8: fail, or replace with U+FFFD", choices=("strict", "replace"))
     progress: bool = _f(True, "progress bars")
+
+    def __post_init__(self) -> None:
+        check_values(self)
 
 
 @dataclass

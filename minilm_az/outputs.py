@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -99,6 +100,57 @@ def read_json(path: str, error: type[Exception] = ValueError) -> dict:
     return obj
 
 
+def shown(path: str) -> str:
+    """`path` as it can be printed: a name that is not UTF-8 (os gives it as surrogates) with its bytes escaped."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def describe(path: str) -> str:
+    """What is at `path`, in words an error line can say: a dangling link, a FIFO, a device, a directory, a file."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a symlink to {shown(os.readlink(path))}, which does not exist"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"unreadable ({e.strerror})" if os.path.lexists(path) else "not there"
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISFIFO, "a FIFO (a named pipe, or a shell's <(...)), which can be read only once"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "not a file or directory"
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether `a` and `b` are one file or directory: compared as files (links followed, hard links and bind
+    mounts too), not as strings; a path that does not exist yet is compared by its resolved name."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_not_input(out: str, inputs: dict[str, str | None]) -> None:
+    """Refuse an --out that is one of the run's inputs, or holds one, or lies inside one, compared as files
+    (`inputs`: flag -> path). A symlink or a second name for an input would otherwise be replaced by the output."""
+    for flag, path in inputs.items():
+        if not path:
+            continue
+        if same_file(out, path):
+            raise OutputError(
+                f"--out {shown(out)} is {flag} {shown(path)} (one directory): the output would replace it"
+            )
+        if os.path.exists(path) and inside(out, path):
+            raise OutputError(f"--out {shown(out)} holds {flag} {shown(path)}: the output would replace it")
+        if os.path.isdir(path) and inside(path, out):
+            raise OutputError(f"--out {shown(out)} is inside {flag} {shown(path)}: the output would change it")
+
+
 # ---------------------------------------------------------------- the marker
 
 
@@ -173,18 +225,26 @@ def lock_dir(path: str, flag: str) -> IO:
     leaves a stale lock behind for its restart. Taking it also proves, before hours of work, that `path` is writable.
     """
     created, lock = not os.path.exists(path), os.path.join(path, LOCK)
+    if os.path.lexists(path) and not os.path.isdir(path):  # a file, a dangling link: say what, not "File exists"
+        raise OutputError(f"{flag} {shown(path)} is {describe(path)}, where a directory belongs")
+    if os.path.lexists(lock) and (os.path.islink(lock) or not os.path.isfile(lock)):
+        # Opened through a link, the lock would create (or truncate) its target, wherever that is.
+        raise OutputError(f"{shown(lock)} is {describe(lock)}, where the run's lock file goes; remove it")
     try:
         os.makedirs(path, exist_ok=True)
-        handle = open(lock, "a")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        handle = os.fdopen(os.open(lock, flags, 0o666), "a")
     except OSError as e:
-        raise OSError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+        raise OSError(f"{flag} {shown(path)}: cannot write there ({e.strerror})") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if os.fstat(handle.fileno()).st_ino != os.stat(lock).st_ino:  # its holder removed it as we opened it
             raise BlockingIOError
     except (BlockingIOError, FileNotFoundError):
         handle.close()
-        raise OutputError(f"{flag} {path}: another run is writing there now; wait for it, or choose another") from None
+        raise OutputError(
+            f"{flag} {shown(path)}: another run is writing there now; wait for it, or choose another"
+        ) from None
     atexit.register(_unlock, path, handle, created)
     return handle
 
@@ -217,10 +277,6 @@ def own_subdir(out_dir: str, name: str, mark: str) -> str:
     return path
 
 
-def _holds_output(path: str) -> bool:
-    return any(MARKER in names for _, _, names in os.walk(path))
-
-
 def _unlock(path: str, handle: IO, created: bool) -> None:
     # At exit the lock file goes, so a directory holds only what was written; a directory this run made and wrote
     # nothing into goes too (a refused or failed first run leaves nothing behind).
@@ -234,10 +290,10 @@ def _unlock(path: str, handle: IO, created: bool) -> None:
 
 def _owner_problem(out_dir: str, stage: str, overwrite: bool, run: str | None, resume: bool) -> tuple[str | None, bool]:
     """(why `stage` may not write out_dir, or None; whether an earlier output of the same stage will be replaced)."""
-    if not os.path.exists(out_dir):
+    if not os.path.lexists(out_dir):
         return None, False
-    if not os.path.isdir(out_dir):
-        return "a file, where a directory belongs", False
+    if not os.path.isdir(out_dir):  # a file, a dangling link, a FIFO: said as what it is
+        return f"is {describe(out_dir)}, where a directory belongs", False
     # No output of ours starts with a dot, and a marker alone is a run that stopped before it wrote anything.
     entries = sorted(e for e in os.listdir(out_dir) if not e.startswith(".") and e != MARKER)
     if not entries:
@@ -270,25 +326,85 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
     if above := output_above(os.path.dirname(os.path.abspath(out_dir))):
         problem = f"is inside {above}, the output of another run or stage; choose a directory outside it"
     if problem:
-        raise OutputError(f"--out {out_dir}: {problem}")
+        raise OutputError(f"--out {shown(out_dir)}: {problem}")
     lock = lock_dir(out_dir, "--out")
     problem, replacing = _owner_problem(out_dir, stage, overwrite, run, resume)  # again, now no other run can write
     if problem:
         lock.close()
-        raise OutputError(f"--out {out_dir}: {problem}")
+        raise OutputError(f"--out {shown(out_dir)}: {problem}")
     marker = _marker(out_dir)
     owner = marker.get("owner") or {}
-    if replacing:  # a run's own logs: plain names of entries of out_dir, never out_dir itself or anything above
-        for name in owner.get("files", []):
-            path = os.path.join(out_dir, name)
-            if name in (".", "..") or "/" in name or os.path.islink(path) or not os.path.isdir(path):
-                _remove_files(out_dir, [name])
-            elif not _holds_output(path):  # a plain name, so inside out_dir; another stage's output stays
-                shutil.rmtree(path)
+    if replacing:  # only files the earlier run recorded writing: never a whole directory, never a name's pattern
+        _remove_files(out_dir, [name for name in owner.get("files", []) if name not in (".", "..")])
     if replacing or not owner:
+        # Until this run ends, its entry names what it may write; at exit it names the files it did write.
         owner = dict(stage=stage, run=run, time=_now(), files=list(run_files))
         _write_marker(out_dir, marker.get("outputs", []), owner)
+    _unshare_appended(out_dir, run_files)
+    before = _files_under(out_dir, run_files)
+    atexit.register(_record_run_files, out_dir, run_files, before, lock)
     return lock, replacing
+
+
+def _files_under(out_dir: str, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """{relative path: (device, inode)} of the plain files at or under each of `names` in out_dir."""
+    found = {}
+    for name in names:
+        top = os.path.join(out_dir, name)
+        if os.path.isfile(top) and not os.path.islink(top):
+            found[name] = (os.stat(top).st_dev, os.stat(top).st_ino)
+        elif os.path.isdir(top) and not os.path.islink(top):
+            for root, _, files in os.walk(top):
+                for file in files:
+                    path = os.path.join(root, file)
+                    if os.path.isfile(path) and not os.path.islink(path):
+                        rel = os.path.relpath(path, out_dir).replace(os.sep, "/")
+                        found[rel] = (os.stat(path).st_dev, os.stat(path).st_ino)
+    return found
+
+
+def _record_run_files(out_dir: str, names: Iterable[str], before: dict, lock: IO) -> None:
+    # At exit the owner entry lists the files this run wrote under its log names (and those an earlier process
+    # of the same run recorded), so a later --overwrite removes exactly them: a file a user put beside them stays.
+    with contextlib.suppress(OSError, OutputError):
+        if lock.closed:  # the claim was given back (a test, or a refusal): nothing of ours to record
+            return
+        marker = _marker(out_dir)
+        owner = marker.get("owner")
+        if not owner:
+            return
+        now = _files_under(out_dir, names)
+        earlier = [f for f in owner.get("files", []) if f in before]  # recorded by an earlier process of this run
+        written = [f for f, inode in now.items() if before.get(f) != inode]
+        files = sorted(set(earlier) | set(written))
+        if files != owner.get("files"):
+            _write_marker(out_dir, marker.get("outputs", []), {**owner, "files": files})
+
+
+def _unshare_appended(out_dir: str, names: Iterable[str]) -> None:
+    """Give each file this run appends to (its metrics.jsonl) an inode of its own: a directory copied with hard links
+    (`cp -al`) shares it with its twin, and an append through one name would change the other's file too."""
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path) and not os.path.islink(path) and os.stat(path).st_nlink > 1:
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
+            os.close(fd)
+            shutil.copy2(path, tmp)
+            os.replace(tmp, path)
+
+
+def check_finished(out_dir: str | None, overwrite: bool, checkpoint_dir: str) -> None:
+    """Refuse to train again, without --overwrite, a run whose output is finished and that has no checkpoint to
+    continue from (its checkpoints were removed to free disk): the same run continues only from a checkpoint."""
+    if out_dir is None or overwrite:
+        return
+    done = [r for r in _read_marker(out_dir) if r.get("complete")]
+    if done:
+        raise OutputError(
+            f"--out {shown(out_dir)} holds this run's finished output ({done[-1].get('time')}) and "
+            f"{shown(checkpoint_dir)} no checkpoint to continue from: pass --overwrite to train it again from step 0, "
+            "or choose a new --out"
+        )
 
 
 # ---------------------------------------------------------------- staged directories

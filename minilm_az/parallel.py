@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import socket
 import sys
@@ -49,6 +50,22 @@ class Process:
         return self.rank == 0
 
 
+def env_number(name: str, default: float, kind: type = int, lo: float = 0) -> float:
+    """The environment variable `name` as a finite number: an int >= `lo`, or a float > `lo`; `default` when unset.
+    Anything else is one ValueError naming the variable: torchrun, a shell or a job's settings may set it."""
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < lo or (kind is float and value == lo):
+        what = f"a whole number >= {lo:g}" if kind is int else f"a number of seconds > {lo:g}"
+        raise ValueError(f"environment variable {name}={raw!r} is not {what}; set it so, or unset it")
+    return value
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,16 +81,20 @@ def setup(device: str = "auto", timeout_s: float | None = None) -> Process:
     MINILM_AZ_COLLECTIVE_TIMEOUT_S, else COLLECTIVE_TIMEOUT_S), and a rank that loses a peer says so in one line.
     A group is made even for one process, so training is one code path: FSDP2 over a mesh of any size.
     """
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # Every variable is read and checked before anything starts, so a bad one is a line naming it.
+    world = env_number("WORLD_SIZE", 1, lo=1)
+    rank, local_rank = env_number("RANK", 0), env_number("LOCAL_RANK", 0)
+    if rank >= world:
+        raise ValueError(f"environment variable RANK={rank} is not below WORLD_SIZE={world}")
+    threads = env_number("OMP_NUM_THREADS", 1, lo=1)  # "4,2" (OpenMP's nested form) is not one count
+    seconds = timeout_s or env_number("MINILM_AZ_COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S, float)
     dev = resolve_device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))  # 1 thread/process is fastest here
+        torch.set_num_threads(threads)  # 1 thread/process is fastest here
     if not dist.is_initialized():
-        seconds = timeout_s or float(os.environ.get("MINILM_AZ_COLLECTIVE_TIMEOUT_S") or COLLECTIVE_TIMEOUT_S)
         timeout = timedelta(seconds=seconds)
         # Groups made later with no timeout (HSDP's mesh, the Checkpointer's) take these, not 30 min (gloo), 10 (NCCL).
         dist.distributed_c10d.default_pg_timeout = dist.distributed_c10d.default_pg_nccl_timeout = timeout
@@ -86,9 +107,11 @@ def setup(device: str = "auto", timeout_s: float | None = None) -> Process:
 
 
 def _lost_peer(previous: Callable, rank: int, seconds: float, kind: type, error: BaseException, tb) -> None:
-    """sys.excepthook: after the traceback, one line when the ranks' communication failed (a RuntimeError)."""
-    previous(kind, error, tb)
-    if isinstance(error, dist.DistError) or "/gloo/" in str(error):
+    """sys.excepthook: one line, and no traceback, when the ranks' communication failed (a peer froze or ended);
+    any other error keeps its traceback (a bug, which its frames locate)."""
+    if not (isinstance(error, dist.DistError) or "/gloo/" in str(error)):
+        previous(kind, error, tb)
+    else:
         raw = str(error).strip().rsplit("\n", 1)[-1].split("] ", 1)[-1].split(". ")[0]  # no gloo source path or advice
         host = os.environ.get("SM_CURRENT_HOST") or socket.gethostname()
         lost = f"lost another rank, whose host ended or stopped answering for {seconds:g} s (see the hosts' logs)"

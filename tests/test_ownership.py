@@ -44,15 +44,22 @@ def test_a_new_dir_is_taken_and_the_same_run_continues_without_overwrite(tmp_pat
 
 def test_overwrite_removes_only_what_the_marker_lists(tmp_path):
     out = str(tmp_path / "out")
-    lock, _ = claim(out, "train.py", False, run="r1", run_files=("metrics.jsonl", "tensorboard"))
-    lock.close()
-    os.makedirs(os.path.join(out, "tensorboard"))
-    _write(os.path.join(out, "tensorboard", "events"))
-    _write(os.path.join(out, "metrics.jsonl"))
+    # A run that writes its logs and exits: at exit its owner entry lists the files it wrote, not their folders.
+    run = (
+        "import os, sys; from minilm_az.outputs import claim; out = sys.argv[1]; "
+        "claim(out, 'train.py', False, run='r1', run_files=('metrics.jsonl', 'tensorboard')); "
+        "os.makedirs(os.path.join(out, 'tensorboard')); "
+        "[open(os.path.join(out, n), 'w').write('x') for n in ('metrics.jsonl', 'tensorboard/events')]"
+    )
+    subprocess.run([sys.executable, "-c", run, out], cwd=ROOT, check=True)
+    owner = json.load(open(os.path.join(out, MARKER)))["owner"]
+    assert owner["files"] == ["metrics.jsonl", "tensorboard/events"], owner
     _write(os.path.join(out, "notes.txt"))  # owned dir, a file no record lists: it stays
+    _write(os.path.join(out, "tensorboard", "mine"))  # beside the run's events: the user's, it stays
     lock, replacing = claim(out, "train.py", True, run="r2", run_files=("metrics.jsonl", "tensorboard"))
     lock.close()
-    assert replacing and sorted(os.listdir(out)) == sorted([LOCK, MARKER, "notes.txt"])
+    assert replacing and sorted(os.listdir(out)) == sorted([LOCK, MARKER, "notes.txt", "tensorboard"])
+    assert os.listdir(os.path.join(out, "tensorboard")) == ["mine"]
     assert json.load(open(os.path.join(out, MARKER)))["owner"]["run"] == "r2"
 
 
