@@ -24,7 +24,14 @@ from minilm_az import checkpoint, lora, parallel
 from minilm_az.bpb import rank_batches
 from minilm_az.chat import ChatFormatError, collate, micro_batches
 from minilm_az.config import FinetuneConfig, check_argv
-from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained, saved_dtype
+from minilm_az.hf import (
+    load_pretrained,
+    load_weights_into,
+    model_fingerprint,
+    read_config,
+    save_pretrained,
+    saved_dtype,
+)
 from minilm_az.kernels import select_ops
 from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
@@ -186,7 +193,7 @@ def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
 def run_identity(cfg: FinetuneConfig) -> tuple[dict, dict]:
     """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
     train_files, val_files = chat_files(cfg.data, cfg.val_data)
-    must = dict(model=checkpoint.model_fingerprint(cfg.model), data=[file_sha256(f) for f in train_files + val_files])
+    must = dict(model=model_fingerprint(cfg.model), data=[file_sha256(f) for f in train_files + val_files])
     must.update({k: getattr(cfg, k) for k in ("lora_r", "lora_alpha", "targets", "max_seq_len", "last_turn_only")})
     return must, {"seed": cfg.seed, "global_batch": cfg.global_batch}
 

@@ -21,17 +21,17 @@ import unicodedata
 import numpy as np
 import torch
 
-from minilm_az import bpb, checkpoint, parallel
+from minilm_az import bpb, checkpoint, parallel, shards
 from minilm_az import tokenizer as tk
 from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan, check_argv
 from minilm_az.data import BatchStream
-from minilm_az.hf import load_weights_into, read_config, read_tensor, save_pretrained
+from minilm_az.hf import load_weights_into, model_fingerprint, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
 from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
-from minilm_az.outputs import check_finished, check_not_input, file_sha256
+from minilm_az.outputs import check_finished, check_not_input
 from minilm_az.prep import readers
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
@@ -171,7 +171,7 @@ def eval_only(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> Non
     """Bits per byte of --base-model as it is (the plan transfers no vocabulary and freezes nothing)."""
     need_dir(plan.flags.base_model, "--base-model", "the model to evaluate")
     tok = tk.load_tokenizer(need_dir(plan.flags.tokenizer, "--tokenizer", "the model's own tokenizer"))
-    must = {"model": checkpoint.model_fingerprint(plan.flags.base_model), "text": plan.flags.eval_text}
+    must = {"model": model_fingerprint(plan.flags.base_model), "text": plan.flags.eval_text}
     checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc, log)
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log)
     log.log("eval", step=0, **evaluate(model, eval_tokens(plan, tok), tk.token_byte_lengths(tok), plan, proc, log, 0))
@@ -210,9 +210,9 @@ def run_identity(plan: TrainPlan) -> tuple[dict, dict]:
     """What makes a run this run (its --out and checkpoints are continued only with the same; they fix the model's
     shape too), and what may change with a warning."""
     flags = plan.flags
-    data, tokenizer = file_sha256(os.path.join(flags.data, "index.json")), tk.tokenizer_hash(flags.tokenizer)
+    data, tokenizer = shards.content_id(flags.data), tk.tokenizer_hash(flags.tokenizer)  # by content, every byte
     must = dict(phase=flags.phase, data=data, tokenizer=tokenizer, preset=None if flags.base_model else flags.preset)
-    must["base_model"] = checkpoint.model_fingerprint(flags.base_model)
+    must["base_model"] = model_fingerprint(flags.base_model)
     return must, {"seed": flags.seed, "global_batch": flags.global_batch, "seq_len": plan.seq_len}
 
 

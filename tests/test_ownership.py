@@ -168,7 +168,9 @@ def test_a_demo_rerun_removes_only_what_its_demo_json_lists(tmp_path):
     _write(run / "notes.md", "mine")  # added by a person after the demo ran
     (run / demo.MARKER).write_text(json.dumps({"entries": ["tokenizer", "../outside", demo.MARKER]}))
     demo.prepare_run_dir(str(run))
-    assert sorted(os.listdir(run)) == ["logs", "notes.md"] and os.listdir(outside) == ["victim.txt"]
+    # An older demo.json's entries name top-level entries: only plain files among them are taken as written (a
+    # directory's name says nothing of what a person put inside it), and never one outside the run.
+    assert sorted(os.listdir(run)) == ["logs", "notes.md", "tokenizer"] and os.listdir(outside) == ["victim.txt"]
 
 
 def _tmpfs_works() -> bool:
