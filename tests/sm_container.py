@@ -54,9 +54,13 @@ each under its own mount, UTS and PID namespaces, all in one private network nam
 --master_addr algo-1 --master_port 7777 --node_rank K-1` (3.x's driver: the same as `--key=value`) meets at
 algo-1's port 7777 unchanged. Where --net is not permitted the hosts share this machine's network and the
 master port is a free one (logged). Triggers kill a host's whole process tree or call back when a log line
-appears or after some seconds; a job past its timeout is killed and returned as timed out. With
-`checkpoints` (tests/s3_sync.py's simulated S3 prefix) every host's LocalPath starts as the whole prefix, and
-each host's uploads happen when the test calls its agent.
+appears or after some seconds; a job past its timeout is killed and returned as timed out.
+
+S3 from inside: a job whose script writes checkpoints to s3:// (the launcher's --checkpoint-dir) reaches one
+local S3 server per test process (`s3_server()`, tests/s3_server.py, with the launch bucket made on it). The
+container's environment carries AWS_ENDPOINT_URL_S3, a region and fake credentials, as a real job gets an
+endpoint and its role's credentials; a relay carries 127.0.0.1:PORT inside the job's private network to the
+server on this machine's loopback, so the hosts keep their own network and still see S3, as an instance does.
 
 This module's top level needs only the standard library: `replay` copies it into the job's directory and
 runs it there as the driver (`python sm_container.py --driver SPEC`).
@@ -78,12 +82,12 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the driver runs this file alone, with the standard library only
-    from s3_sync import HostSync, S3Prefix
+    from s3_server import S3Server
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "minilm-az-container-test"
@@ -351,8 +355,131 @@ def container_env(request: dict) -> dict[str, str]:
         "AWS_DEFAULT_REGION": region,
         "AWS_EC2_METADATA_DISABLED": "true",
     }
+    if checkpoint_uri(request):  # the job's role and S3's endpoint, as the instance would have them
+        env.update(s3_server().env())
     env.update(request.get("Environment") or {})
     return env
+
+
+def checkpoint_uri(request: dict) -> str | None:
+    """The s3:// URI the launcher passed as the script's --checkpoint-dir (None: the job has none)."""
+    raw = (request.get("HyperParameters") or {}).get("checkpoint-dir")
+    try:
+        uri = json.loads(raw) if raw else None
+    except ValueError:  # 3.x sends plain strings
+        uri = raw
+    return uri if isinstance(uri, str) and uri.startswith("s3://") else None
+
+
+_S3: S3Server | None = None
+
+
+def s3_server() -> S3Server:
+    """The local S3 server of this test process (started at the first call, stopped at exit), holding BUCKET."""
+    global _S3
+    if _S3 is None or _S3.proc.poll() is not None:
+        import atexit
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from s3_server import S3Server
+
+        _S3 = S3Server.start(Path(tempfile.mkdtemp(prefix="sm-container-s3-")))
+        atexit.register(_S3.stop)
+        _S3.make_bucket(BUCKET)
+    return _S3
+
+
+def s3_objects(uri: str) -> dict[str, int]:
+    """key (relative to `uri`) -> size of every object the local S3 server holds under the prefix `uri`."""
+    bucket, prefix = _split_s3(uri.rstrip("/") + "/")
+    return {k[len(prefix) :]: size for k, size in s3_server().objects(bucket, prefix).items()}
+
+
+CLONE_NEWNET = 0x40000000  # setns(2)'s flag for a network namespace
+
+
+class _Relay:
+    """TCP connections to 127.0.0.1:PORT inside a private network namespace, carried to 127.0.0.1:PORT on this
+    machine's (where the S3 server listens). One thread accepts; two pump each connection's bytes."""
+
+    def __init__(self, netns_pid: int, port: int) -> None:
+        import ctypes
+
+        libc, box = ctypes.CDLL(None, use_errno=True), {}
+
+        def listen_inside() -> None:
+            # setns changes the namespace of the calling thread only: this short thread enters the job's network,
+            # binds there and ends; the socket stays in the namespace it was made in, and the rest of this
+            # process stays in this machine's.
+            try:
+                with open(f"/proc/{netns_pid}/ns/net") as ns:
+                    if libc.setns(ns.fileno(), CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), "setns into the job's network namespace")
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", port))
+                sock.listen(64)
+                box["socket"] = sock
+            except OSError as e:
+                box["error"] = e
+
+        t = threading.Thread(target=listen_inside)
+        t.start()
+        t.join()
+        if "error" in box:
+            raise HarnessError(f"could not relay S3 into the job's network: {box['error']}")
+        self.port, self.listener = port, box["socket"]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inside, _ = self.listener.accept()
+                outside = socket.create_connection(("127.0.0.1", self.port))
+            except OSError:
+                return  # closed: the job ended
+            for a, b in ((inside, outside), (outside, inside)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):  # either side's end (or reset) ends the connection on both
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _private_network(request: dict) -> tuple[subprocess.Popen | None, list[str], _Relay | None]:
+    """A network namespace for the job's hosts (loopback up), its nsenter prefix, and the S3 relay into it when
+    the job writes checkpoints to S3; (None, [], None) where --net is not permitted (this machine's network)."""
+    if "--net" not in (namespace_flags() or []):
+        return None, [], None
+    holder = _network_holder()
+    try:
+        relay = _Relay(holder.pid, s3_server().port) if checkpoint_uri(request) else None
+    except BaseException:
+        _stop_holder(holder)
+        raise
+    return holder, ["nsenter", f"--net=/proc/{holder.pid}/ns/net"], relay
+
+
+def _stop_holder(holder: subprocess.Popen | None, relay: _Relay | None = None) -> None:
+    if relay is not None:
+        relay.close()
+    if holder is not None:
+        holder.kill()
+        holder.wait()
+        for stream in (holder.stdout, holder.stderr):
+            stream.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +634,6 @@ def replay(
     program: list[str] | None = None,
     hosts: int = 1,
     triggers: Sequence[Trigger] = (),
-    checkpoints: S3Prefix | None = None,
     readonly: dict[int, Sequence[str]] | None = None,
 ) -> ContainerRun | JobRun:
     """Build the container's view of `launched.request` under `workdir` and run the job there.
@@ -527,11 +653,10 @@ def replay(
             timeout=timeout,
             program=program,
             triggers=triggers,
-            checkpoints=checkpoints,
             readonly=readonly,
         )
-    if triggers or checkpoints or readonly:
-        raise HarnessError("triggers, checkpoints and readonly are replay_job's; call it (hosts=1 works there)")
+    if triggers or readonly:
+        raise HarnessError("triggers and readonly are replay_job's; call it (hosts=1 works there)")
     prepare(session, request, workdir)
     return run_container(workdir, request, nproc=nproc, timeout=timeout, program=program)
 
@@ -543,9 +668,11 @@ def run_container(
     root = workdir / "opt_ml"
     mode = isolation_mode()
     spec, env, driver = _host_setup(workdir, request, nproc=nproc, program=program, mode=mode)
-    lock = None
+    lock = holder = relay = None
     if mode == "namespace":
-        cmd = ["unshare", *namespace_flags(), *driver]
+        holder, prefix, relay = _private_network(request)
+        flags = [f for f in namespace_flags() or [] if f != "--net" or holder is None]
+        cmd = [*prefix, "unshare", *flags, *driver]
     else:
         cmd = driver
         site = workdir / "harness" / "site"
@@ -562,6 +689,7 @@ def run_container(
         )
         out, err, log = _collect(proc, timeout)
     finally:
+        _stop_holder(holder, relay)
         if lock is not None:
             _unlink_opt_ml(lock)
     return _host_result(spec, request, proc.returncode, out, err, log, seconds=time.time() - t0)
@@ -891,10 +1019,8 @@ class _Host:
 class LiveJob:
     """The job while it runs, as a Trigger's `call` sees it; hosts are numbered from 1 (algo-1)."""
 
-    def __init__(
-        self, hosts: list[_Host], t0: float, syncs: list[HostSync], events: list[str], ckpt: str | None
-    ) -> None:
-        self._hosts, self._t0, self._syncs, self._events, self._ckpt = hosts, t0, syncs, events, ckpt
+    def __init__(self, hosts: list[_Host], t0: float, events: list[str], ckpt: str | None) -> None:
+        self._hosts, self._t0, self._events, self._ckpt = hosts, t0, events, ckpt
 
     @property
     def names(self) -> list[str]:
@@ -939,12 +1065,6 @@ class LiveJob:
             done = h.freeze()
             self._events.append(f"{self.seconds:.1f} s: {'froze' if done else 'freeze: already exited,'} {h.name}")
 
-    def sync(self, k: int) -> HostSync:
-        """Host k's checkpoint sync agent (replay_job's `checkpoints`)."""
-        if not self._syncs:
-            raise HarnessError("this replay has no simulated checkpoint S3 prefix (pass checkpoints=S3Prefix(...))")
-        return self._syncs[k - 1]
-
 
 def _host_numbers(which: int | Sequence[int] | Literal["all"], n: int) -> list[int]:
     if which == "all":
@@ -961,7 +1081,6 @@ class JobRun:
     ended: list[float | None]  # when each host's container exited, in seconds from the start
     timed_out: bool  # the job ran past its timeout and the harness killed what was left
     events: list[str]  # what the harness did and saw, in order ("12.3 s: killed algo-2", "14.0 s: algo-1 exited 1")
-    sync: list[HostSync] = field(default_factory=list)  # each host's checkpoint agent, with `checkpoints`
 
     def host(self, k: int) -> ContainerRun:
         """Host k, numbered from 1 (algo-1) as the job's resourceconfig.json names them."""
@@ -990,44 +1109,35 @@ def replay_job(
     timeout: float = 300,
     program: list[str] | None = None,
     triggers: Sequence[Trigger] = (),
-    checkpoints: S3Prefix | None = None,
     readonly: dict[int, Sequence[str]] | None = None,
     emptied: dict[int, Sequence[str]] | None = None,
+    host_env: dict[int, dict[str, str]] | None = None,
 ) -> JobRun:
     """Replay `launched.request` on `hosts` instances at once (the request's InstanceCount), each as SageMaker
     gives it: its own mount, UTS and PID namespaces, its own /opt/ml under WORKDIR/algo-K (channels downloaded
-    to every host, FullyReplicated; its own model mount and checkpoint LocalPath), resourceconfig.json naming
-    it among all hosts, and the toolkit's (2.x) or the SDK drivers' (3.x) own torchrun line per host
-    (`--nnodes N ... --node_rank K-1 --master_addr algo-1 --master_port 7777`).
+    to every host, FullyReplicated; its own model mount), resourceconfig.json naming it among all hosts, and the
+    toolkit's (2.x) or the SDK drivers' (3.x) own torchrun line per host (`--nnodes N ... --node_rank K-1
+    --master_addr algo-1 --master_port 7777`).
 
-    The hosts share one private network namespace, where every algo-K resolves to loopback and 7777 is free;
-    where --net is not permitted they share this machine's and torchrun's master port is a free one instead
-    (logged). `triggers` kill hosts or call back at chosen moments; `timeout` kills whatever still runs and
-    returns with `timed_out` (a hang is a result, not an exception). `checkpoints` is the simulated S3 prefix
-    of CheckpointConfig: each host's LocalPath is restored from it before the hosts start, and each host's
-    agent (HostSync) is in `JobRun.sync` and `LiveJob.sync(k)`; uploads happen only when a test asks.
-    `readonly` maps a host number to paths under /opt/ml mounted read-only on that host (e.g. "checkpoints");
+    The hosts share one private network namespace, where every algo-K resolves to loopback and 7777 is free,
+    and S3 is the local server, relayed in (see the module's docstring); where --net is not permitted they share
+    this machine's and torchrun's master port is a free one instead (logged). `triggers` kill hosts or call back
+    at chosen moments; `timeout` kills whatever still runs and returns with `timed_out` (a hang is a result, not
+    an exception). `readonly` maps a host number to paths under /opt/ml mounted read-only on that host;
     `emptied`, to paths under /opt/ml left empty there (e.g. "input/data/tokenizer": a channel that gave that
-    host no files, as ShardedByS3Key does when a prefix has fewer objects than the job has hosts).
+    host no files, as ShardedByS3Key does when a prefix has fewer objects than the job has hosts); `host_env`, to
+    environment variables that host alone gets (e.g. an S3 endpoint it cannot reach).
     """
     request = launched.request if hasattr(launched, "request") else launched
     if hosts < 1:
         raise HarnessError(f"hosts={hosts}: a job has at least one instance")
     workdir = Path(workdir).resolve()
     names = [f"algo-{k}" for k in range(1, hosts + 1)]
-    ckpt = (request.get("CheckpointConfig") or {}).get("LocalPath")
-    if checkpoints is not None and not ckpt:
-        raise HarnessError("checkpoints= needs a request with a CheckpointConfig (launch with --checkpoint-s3/--spot)")
-    syncs = []
     for k, name in enumerate(names, 1):
         root = prepare(session, request, workdir / name, host=name, hosts=names)
         for rel in (emptied or {}).get(k, ()):
             shutil.rmtree(root / rel)
             (root / rel).mkdir()
-        if checkpoints is not None:
-            sync = checkpoints.host(name, root / _under_opt_ml(ckpt))
-            sync.restore()
-            syncs.append(sync)
     return run_job(
         workdir,
         request,
@@ -1036,8 +1146,8 @@ def replay_job(
         timeout=timeout,
         program=program,
         triggers=triggers,
-        syncs=syncs,
         readonly=readonly,
+        host_env=host_env,
     )
 
 
@@ -1050,23 +1160,19 @@ def run_job(
     timeout: float = 300,
     program: list[str] | None = None,
     triggers: Sequence[Trigger] = (),
-    syncs: Sequence[HostSync] = (),
     readonly: dict[int, Sequence[str]] | None = None,
+    host_env: dict[int, dict[str, str]] | None = None,
 ) -> JobRun:
     """Run the prepared WORKDIR/<host> views concurrently (see replay_job)."""
     workdir = Path(workdir).resolve()
     if isolation_mode() != "namespace":
         raise HarnessError("a replay of several hosts needs mount namespaces (unshare/mount, e.g. as root)")
     flags = [f for f in namespace_flags() or [] if f != "--net"]
-    holder, port = None, None
     events: list[str] = []
     hs: list[_Host] = []
+    holder, prefix, relay = _private_network(request)
+    port = None if holder is not None else _free_port()
     try:
-        if "--net" in (namespace_flags() or []):
-            holder = _network_holder()
-            prefix = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
-        else:
-            port, prefix = _free_port(), []
         for k, name in enumerate(hosts, 1):
             extra = {"readonly": list((readonly or {}).get(k, ())), "master_port": port}
             spec, env, driver = _host_setup(
@@ -1079,25 +1185,21 @@ def run_job(
                 hosts=hosts,
                 extra=extra,
             )
+            env.update((host_env or {}).get(k, {}))
             if port and spec["entrypoint"]:
                 _set_v3_master_port(Path(spec["root"]), port)
             hs.append(_Host(k, workdir / name, spec, env, [*prefix, "unshare", *flags, *driver]))
-        return _run_hosts(hs, request, triggers, syncs, events, timeout)
+        return _run_hosts(hs, request, triggers, events, timeout)
     finally:
         for h in hs:
             h.kill()
-        if holder is not None:
-            holder.kill()
-            holder.wait()
-            for s in (holder.stdout, holder.stderr):
-                s.close()
+        _stop_holder(holder, relay)
 
 
 def _run_hosts(
     hs: list[_Host],
     request: dict,
     triggers: Sequence[Trigger],
-    syncs: Sequence[HostSync],
     events: list[str],
     timeout: float,
 ) -> JobRun:
@@ -1109,7 +1211,7 @@ def _run_hosts(
             seen.append((h.index, t, text))
 
     t0 = time.monotonic()
-    live = LiveJob(hs, t0, list(syncs), events, (request.get("CheckpointConfig") or {}).get("LocalPath"))
+    live = LiveJob(hs, t0, events, (request.get("CheckpointConfig") or {}).get("LocalPath"))
     for h in hs:
         h.start(t0, on_line)
     due: dict[int, float] = {i: tr.seconds for i, tr in enumerate(triggers) if tr.line is None}
@@ -1168,7 +1270,7 @@ def _run_hosts(
         for h in hs
     ]
     ended = [h.ended for h in hs]
-    return JobRun(results, max(e or 0.0 for e in ended), ended, timed_out, events, list(syncs))
+    return JobRun(results, max(e or 0.0 for e in ended), ended, timed_out, events)
 
 
 def _network_holder() -> subprocess.Popen:

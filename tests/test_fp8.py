@@ -150,8 +150,9 @@ def test_checkpoint_and_export_across_fp8_on_and_off(group, tmp_path):
         opt.step()
         opt.zero_grad()
     want = {n: p.full_tensor().float().cpu() for n, p in trained.named_parameters()}
-    Checkpointer(str(tmp_path / "ckpt"), 0, 0, async_save=False).save(3, trained, opt, {"step": 3})
-    path = str(tmp_path / "ckpt" / "step-00000003")
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), parallel.Process(0, 1, 0, torch.device("cuda")), async_save=False)
+    ckpt.save(3, trained, opt, {"step": 3})
+    path = ckpt.last()  # step-00000003-TOKEN: a name no earlier attempt had
     save_pretrained(trained, str(tmp_path / "hf"))
     exported = dict(iter_tensors(str(tmp_path / "hf")))
     assert exported.keys() == {n for n in want if n != "lm_head.weight"}  # tied: one tensor, HF's names

@@ -1,13 +1,12 @@
-"""One job on several SageMaker instances, replayed here: tests/sm_container.py's `replay_job` and tests/s3_sync.py.
+"""One job on several SageMaker instances, replayed here: tests/sm_container.py's `replay_job`.
 
 Each host is its own container (mount, UTS and PID namespaces, its own /opt/ml with the channels copied in,
-its own model mount and checkpoint dir) running the toolkit's own torchrun line (`--nnodes 2 --node_rank K
---master_addr algo-1 --master_port 7777`); the hosts share one private network where every algo-K is
-loopback. The first tests check the harness with probe programs, and that every process group of a job has the
-job's collective timeout; then train.py phase 2 on two hosts is held to one process's numbers; then what happens
-when host 2 dies, freezes or fails; last, the checkpoint sync model on its own (no torch, no containers). The
-sync tests state what SageMaker does (s3_sync's docstring has the sources); the multi-host failure tests state
-what holds today, and issue 28 says what should.
+its own model mount) running the toolkit's own torchrun line (`--nnodes 2 --node_rank K --master_addr algo-1
+--master_port 7777`); the hosts share one private network where every algo-K is loopback, and checkpoints go
+to the launcher's s3:// prefix on a local S3 server that every host reaches (issue 37). The first tests check
+the harness with probe programs, and that every process group of a job has the job's collective timeout; then
+train.py phase 2 on two hosts is held to one process's numbers; then what happens when host 2 dies, freezes or
+fails, and a job lost on both hosts resumes from what S3 holds.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from minilm_az.launch import sagemaker as sm
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # pytest's rootdir-relative import puts it there
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sm_container as smc  # noqa: E402
-from s3_sync import IGNORE_SUFFIX, UPLOADED_SUFFIX, Op, S3Prefix  # noqa: E402
 
 ROOT = sm.PROJECT_ROOT
 SDKS = ["v2", pytest.param("v3", marks=pytest.mark.sdk3)]  # conftest's aws skips the one not installed
@@ -80,8 +78,6 @@ PROBE = textwrap.dedent("""
     import json, os, socket, sys
     import torch
     import torch.distributed as dist
-    ckpt = "/opt/ml/checkpoints"
-    at_start = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else None
     dist.init_process_group("gloo")  # torchrun's static rendezvous at algo-1:7777, then gloo between all ranks
     rank = dist.get_rank()
     total = torch.tensor([rank + 1])
@@ -89,13 +85,12 @@ PROBE = textwrap.dedent("""
     cfg = json.load(open("/opt/ml/input/config/resourceconfig.json"))
     rec = {"rank": rank, "world": dist.get_world_size(), "local_rank": int(os.environ["LOCAL_RANK"]),
            "hostname": socket.gethostname(), "current_host": cfg["current_host"], "hosts": cfg["hosts"],
-           "sum": int(total), "data": sorted(os.listdir(os.environ["SM_CHANNEL_DATA"])), "ckpt": at_start}
+           "sum": int(total), "data": sorted(os.listdir(os.environ["SM_CHANNEL_DATA"])),
+           "s3": os.environ.get("AWS_ENDPOINT_URL_S3")}
     # one write(2) per rank, under PIPE_BUF, so that the ranks' lines cannot interleave
     os.write(1, ("PROBE " + json.dumps(rec) + "\\n").encode())
     if rank == 0:
         open(os.path.join(os.environ["SM_MODEL_DIR"], "probe.json"), "w").write(json.dumps(rec))
-    if rec["local_rank"] == 0:
-        open(os.path.join(ckpt, "written-by-" + cfg["current_host"]), "w").write(str(rank))
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -120,8 +115,6 @@ def probe_project(tmp_path_factory) -> Path:
 def test_two_hosts_run_the_toolkits_torchrun_line_each_and_meet_at_algo_1(
     sdk, aws, tmp_path, probe_project, container_shards_dir
 ):
-    prefix = S3Prefix(tmp_path / "s3")
-    (prefix.root / "from-an-earlier-job").write_text("x")
     launched = launch(
         aws,
         ["train", "--phase", "2", "--steps", "4"],
@@ -130,7 +123,7 @@ def test_two_hosts_run_the_toolkits_torchrun_line_each_and_meet_at_algo_1(
         root=probe_project,
         sdk=sdk,
     )
-    run = smc.replay(aws, launched, workdir=tmp_path / "job", hosts=2, nproc=2, checkpoints=prefix)
+    run = smc.replay(aws, launched, workdir=tmp_path / "job", hosts=2, nproc=2)
     assert run.returncode == 0 and not run.timed_out, run.explain()
     hps = json.loads((tmp_path / "job" / "algo-1" / "opt_ml" / "input" / "config" / "hyperparameters.json").read_text())
     argv = sm.container_args(hps) if sdk == "v2" else sm.container_args_v3(hps)
@@ -145,14 +138,9 @@ def test_two_hosts_run_the_toolkits_torchrun_line_each_and_meet_at_algo_1(
             assert p["current_host"] == f"algo-{k}" and p["hosts"] == ["algo-1", "algo-2"]
             assert p["hostname"] == f"algo-{k}" or "--uts" not in smc.namespace_flags()
             assert p["data"] == shards  # every host has the whole channel (FullyReplicated)
-            assert p["ckpt"] == ["from-an-earlier-job"]  # every host starts with the whole S3 prefix
-        # each host keeps its own checkpoint dir; only global rank 0 writes the model
-        assert host.checkpoint_files() == sorted(["from-an-earlier-job", f"written-by-algo-{k}"])
+            assert p["s3"] == smc.s3_server().url  # every host has the job's S3 endpoint (its checkpoints)
+        # only global rank 0 writes the model
         assert host.model_files() == (["probe.json"] if k == 1 else [])
-    # uploads happen when the test says: host 2 first, then host 1; each sends only its own new file
-    assert [str(op) for op in run.sync[1].sync()] == ["put written-by-algo-2"]
-    assert [str(op) for op in run.sync[0].sync()] == ["put written-by-algo-1"]
-    assert prefix.keys() == ["from-an-earlier-job", "written-by-algo-1", "written-by-algo-2"]
 
 
 HANG = textwrap.dedent("""
@@ -430,19 +418,26 @@ def test_a_frozen_host_2_ends_the_job_on_host_1_after_the_collective_timeout_wit
     assert host1.failure == errors[0] + "\n", host1.failure  # what SageMaker shows as the job's FailureReason
 
 
+UNREACHABLE_S3 = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("problem", "named"),
     [
-        (dict(readonly={2: ["checkpoints"]}), "--checkpoint-dir"),  # refuses writes (EROFS), even root's
+        # host 2 alone cannot reach S3 (nothing listens at its endpoint): its write probe fails at start
+        (
+            dict(host_env={2: {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"}}),
+            "--checkpoint-dir",
+        ),
         (dict(emptied={2: ["input/data/tokenizer"]}), "no tokenizer.json in /opt/ml/input/data/tokenizer"),
     ],
-    ids=["readonly-checkpoints", "empty-channel"],
+    ids=["s3-unreachable", "empty-channel"],
 )
 def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
     aws, tmp_path, container_shards_dir, small_tokenizer_dir, problem, named
 ):
-    """Host 2 alone has a problem: its checkpoint dir refuses writes, or a channel gave it no files."""
+    """Host 2 alone has a problem: it cannot reach the checkpoints' S3, or a channel gave it no files."""
     run = _train_on_two_hosts(aws, tmp_path, TRAIN, container_shards_dir, small_tokenizer_dir, **problem)
     assert not run.timed_out and run.seconds < 300, run.explain()
     # Both hosts say why, in one line naming the failing rank and host, and exit 2 (train.py's usage error).
@@ -462,21 +457,20 @@ def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
 RESUMABLE = [*TRAIN[:6], "6", *TRAIN[7:], "--checkpoint-every", "2"]  # --steps 6, a checkpoint every 2 steps
 
 
+def committed(uri: str) -> list[str]:
+    """The checkpoints under `uri` that S3 holds a commit.json of, newest first, read from the server itself."""
+    names = {k.split("/")[0] for k in smc.s3_objects(uri) if k.endswith("/commit.json")}
+    return sorted(names, reverse=True)
+
+
 @pytest.mark.slow
-def test_a_job_lost_on_both_hosts_restarts_from_what_they_uploaded(
-    aws, tmp_path, container_shards_dir, small_tokenizer_dir
-):
-    """A spot interruption as s3_sync models it: both hosts upload what they have when host 1 logs step 5, then
-    both instances vanish; the restarted job's hosts start from the prefix and finish as an unbroken run."""
+def test_a_job_lost_on_both_hosts_restarts_from_what_s3_holds(aws, tmp_path, container_shards_dir, small_tokenizer_dir):
+    """A spot interruption: both instances vanish when host 1 logs step 5. Every rank wrote its part straight to
+    S3, so the restarted job resumes from the newest commit there and finishes as an unbroken run."""
     want = _one_process(RESUMABLE[1:], tmp_path / "one", container_shards_dir, small_tokenizer_dir)
     inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
     launched = launch(aws, RESUMABLE, hosts=2, inputs=inputs)
-    prefix = S3Prefix(tmp_path / "s3")
-
-    def upload_all(job: smc.LiveJob) -> None:
-        for k in (1, 2):
-            job.sync(k).sync()
-
+    uri = launched.plan.checkpoint_uri + "phase2/"
     lost = smc.replay_job(
         aws,
         launched,
@@ -484,146 +478,12 @@ def test_a_job_lost_on_both_hosts_restarts_from_what_they_uploaded(
         hosts=2,
         nproc=1,
         timeout=180,
-        checkpoints=prefix,
-        triggers=[
-            smc.Trigger(line=r"^train step=5 ", host=1, call=upload_all),
-            smc.Trigger(line=r"^train step=5 ", host=1, kill="all"),  # after the uploads: triggers fire in order
-        ],
+        triggers=[smc.Trigger(line=r"^train step=5 ", host=1, kill="all")],
     )
-    assert all(h.killed for h in lost.hosts) and prefix.keys(), lost.explain()
-    again = smc.replay_job(aws, launched, workdir=tmp_path / "again", hosts=2, nproc=1, timeout=180, checkpoints=prefix)
+    newest = committed(uri)
+    assert all(h.killed for h in lost.hosts) and newest, lost.explain()
+    again = smc.replay_job(aws, launched, workdir=tmp_path / "again", hosts=2, nproc=1, timeout=180)
     assert again.returncode == 0 and not again.timed_out, again.explain()
     resumed = min(_losses(again.host(1).model_dir))
-    assert resumed in (3, 5), again.explain()  # after step 2 or step 4, whichever both hosts had complete
+    assert resumed == int(newest[0].split("-")[1]) + 1, again.explain()  # the newest commit, 2 or 4
     _assert_same_model(again.host(1).model_dir, want, list(range(resumed, 7)))
-
-
-# ---------------------------------------------------------------------------------------------
-# The checkpoint sync model (s3_sync): SageMaker's semantics, each with its source in s3_sync's docstring
-
-
-def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
-
-
-def _two_hosts(tmp_path: Path, seed: dict[str, str] | None = None):
-    prefix = S3Prefix(tmp_path / "s3")
-    for key, text in (seed or {}).items():
-        _write(prefix.root / key, text)
-    hosts = [prefix.host(f"algo-{k}", tmp_path / f"algo-{k}" / "checkpoints") for k in (1, 2)]
-    for h in hosts:
-        h.restore()
-    return prefix, hosts
-
-
-def test_sync_every_host_starts_with_the_whole_prefix_and_never_sees_later_uploads(tmp_path):
-    prefix, (one, two) = _two_hosts(tmp_path, {"step-2/a": "1", "step-2/b": "2", "latest": "step-2"})
-    for h in (one, two):
-        assert sorted(str(p.relative_to(h.local)) for p in h.local.rglob("*") if p.is_file()) == prefix.keys()
-    _write(one.local / "step-4/a", "4")
-    assert one.sync() == [Op("put", "step-4/a")]
-    assert "step-4/a" in prefix.keys() and not (two.local / "step-4").exists()  # no download after the start
-    late = prefix.host("algo-3", tmp_path / "algo-3")
-    late.restore()  # a new job's instance gets it
-    assert (late.local / "step-4" / "a").read_text() == "4"
-    with pytest.raises(ValueError, match="empty"):
-        prefix.host("algo-1", one.local).restore()  # an instance's volume is new at a job's start
-
-
-def test_sync_uploads_new_and_changed_files_once_and_never_ignored_ones(tmp_path):
-    prefix, (one, _) = _two_hosts(tmp_path, {"latest": "step-2"})
-    _write(one.local / "latest", "step-4")
-    _write(one.local / "step-4/a", "4")
-    _write(one.local / f"step-4/a{IGNORE_SUFFIX}", "partial")  # the XGBoost container's temp file
-    _write(one.local / f"step-6{IGNORE_SUFFIX}/a", "partial")  # smdebug's temp dir
-    assert one.pending() == [Op("put", "latest"), Op("put", "step-4/a")]
-    assert [str(op) for op in one.sync()] == ["put latest", "put step-4/a"]
-    assert one.sync() == []  # unchanged files are not sent again
-    assert prefix.keys() == ["latest", "step-4/a"] and prefix.read("latest") == b"step-4"
-    # A temp dir renamed into place is a plain new path: uploaded then, and only then.
-    (one.local / f"step-6{IGNORE_SUFFIX}").rename(one.local / "step-6")
-    assert one.sync() == [Op("put", "step-6/a")]
-
-
-def test_sync_a_rename_after_an_upload_costs_the_upload_and_a_delete(tmp_path):
-    prefix, (one, _) = _two_hosts(tmp_path)
-    _write(one.local / "step-4.tmp/a", "4")
-    one.sync()  # the agent caught step-4.tmp before its rename
-    (one.local / "step-4.tmp").rename(one.local / "step-4")
-    assert [str(op) for op in one.sync()] == ["put step-4/a", "delete step-4.tmp/a"]
-    assert prefix.keys() == ["step-4/a"] and prefix.changes() == [
-        "algo-1: put step-4.tmp/a",
-        "algo-1: put step-4/a",
-        "algo-1: delete step-4.tmp/a",
-    ]
-    _write(one.local / "step-6.tmp/a", "6")
-    (one.local / "step-6.tmp").rename(one.local / "step-6")
-    assert one.sync() == [Op("put", "step-6/a")]  # renamed before the agent looked: no temp traffic
-
-
-def test_sync_a_host_deletes_in_s3_what_it_deleted_locally_even_the_other_hosts_files(tmp_path):
-    prefix, (one, two) = _two_hosts(tmp_path, {"step-2/__0_0.distcp": "h1", "step-2/__1_0.distcp": "h2"})
-    # Host 1 prunes step-2, which holds host 2's shard too (restored at the start): both keys go.
-    shutil.rmtree(one.local / "step-2")
-    assert one.sync() == [Op("delete", "step-2/__0_0.distcp"), Op("delete", "step-2/__1_0.distcp")]
-    assert prefix.keys() == []
-    # Host 2 still has both files and uploads nothing: they were unchanged since the start, so the prefix
-    # stays without them, though host 2's disk has them.
-    assert two.sync() == [] and prefix.keys() == []
-    # A host cannot delete what it never had: host 2's new file survives host 1's syncs.
-    _write(two.local / "step-4/__1_0.distcp", "h2")
-    two.sync()
-    assert one.sync() == [] and prefix.keys() == ["step-4/__1_0.distcp"]
-
-
-def test_sync_a_lagging_host_and_a_resaved_name_leave_an_incomplete_checkpoint(tmp_path):
-    """Issue 28's point 2 in miniature: step-2 is saved again after a fallback; host 1 prunes its old copy after
-    host 2 re-uploaded its part, and the delete takes host 2's new object too (S3 deletes have no condition)."""
-    prefix, (one, two) = _two_hosts(tmp_path, {"step-2/__0_0.distcp": "old", "step-2/__1_0.distcp": "old"})
-    _write(two.local / "step-2/__1_0.distcp", "new")  # host 2 re-saves its part of step-2 and uploads it
-    assert two.sync() == [Op("put", "step-2/__1_0.distcp")]
-    shutil.rmtree(one.local / "step-2")  # host 1 prunes step-2 (it saw the old one)
-    one.sync()
-    assert prefix.keys() == []  # host 2's fresh upload is gone with host 1's delete
-    assert prefix.changes() == [
-        "algo-2: put step-2/__1_0.distcp",
-        "algo-1: delete step-2/__0_0.distcp",
-        "algo-1: delete step-2/__1_0.distcp",
-    ]
-
-
-def test_sync_files_written_after_a_hosts_last_upload_are_lost_with_the_instance(tmp_path):
-    prefix, (one, two) = _two_hosts(tmp_path)
-    for name in ("a", "b", "c"):
-        _write(one.local / "step-4" / name, name)
-    _write(two.local / "step-4" / "d", "d")
-    assert one.sync(limit=2) == [Op("put", "step-4/a"), Op("put", "step-4/b")]  # interrupted mid-upload
-    # host 2 never synced: the spot interruption takes its disk; the next job restores only the prefix
-    restarted = prefix.host("algo-2", tmp_path / "restart" / "algo-2")
-    assert restarted.restore() == ["step-4/a", "step-4/b"]
-
-
-def test_sync_in_an_order_the_test_picks(tmp_path):
-    prefix, (one, _) = _two_hosts(tmp_path, {"latest": "step-2", "step-2/a": "2"})
-    shutil.rmtree(one.local / "step-2")
-    _write(one.local / "step-4/a", "4")
-    _write(one.local / "latest", "step-4")
-    ops = one.pending()
-    assert ops == [Op("put", "latest"), Op("put", "step-4/a"), Op("delete", "step-2/a")]
-    # Adversarial: the pointer goes first and the deletion before the data; stop there.
-    one.apply([Op("put", "latest"), Op("delete", "step-2/a")])
-    assert prefix.keys() == ["latest"] and prefix.read("latest") == b"step-4"  # names a checkpoint S3 lacks
-    assert one.pending() == [Op("put", "step-4/a")]
-    assert one.sync(only=lambda key: key.startswith("step-4/")) == [Op("put", "step-4/a")]
-
-
-def test_sync_markers_are_left_beside_uploaded_files_and_never_uploaded(tmp_path):
-    prefix = S3Prefix(tmp_path / "s3")
-    one = prefix.host("algo-1", tmp_path / "algo-1", markers=True)
-    one.restore()
-    _write(one.local / "step-4/a", "4")
-    one.sync()
-    assert (one.local / f"step-4/a{UPLOADED_SUFFIX}").is_file() and one.sync() == []
-    assert prefix.keys() == ["step-4/a"]

@@ -345,3 +345,123 @@ def test_the_write_probe_names_a_missing_bucket_and_a_missing_region_in_one_line
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
     with pytest.raises(S3Error, match=r"^s3://b/run: no AWS region: set AWS_REGION"):
         Store("s3://b/run")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 37's three scenarios, on the new design. Under SageMaker's per-host sync each one lost a job or started
+# it at step 0 silently; here none may lose a committed checkpoint or start at step 0 without a word.
+
+
+def test_a_host_stalled_mid_save_leaves_the_previous_commit_usable_and_its_leftovers_are_pruned_later(group, aws_env):
+    """Scenario 1, a lagging host. With S3 there is no per-host upload to lag: a rank whose PUTs stall holds back
+    only its own save, which stays uncommitted; the restarted job resumes from the commit before it, and its
+    next commit prunes the stalled attempt's objects, never a commit."""
+    import torch
+
+    from minilm_az import parallel
+    from minilm_az.checkpoint import S3Checkpointer
+
+    s3, bucket = aws_env, new_bucket(aws_env)
+    proc, uri = parallel.Process(0, 1, 0, torch.device("cpu")), f"s3://{bucket}/run"
+    model, opt, state = _tiny()
+    lagging = S3Checkpointer(uri, proc, keep=2, async_save=True)
+    lagging.save(1, model, opt, state)
+    first = lagging.finalize()
+    s3.faults(put_delay_s=2.0, match=rf"step-00000002-{lagging.token}/")  # this host's uploads stall
+    lagging.save(2, model, opt, state)  # and then the job is lost: this save is never finalized
+    restarted, again_opt, _ = _tiny()
+    for p in restarted.parameters():
+        p.data.zero_()
+    warnings = []
+    resumer = S3Checkpointer(uri, proc, keep=2, async_save=False)
+    step, _ = resumer.resume(restarted, again_opt, {"phase": 2}, {}, warnings.append, steps=100)
+    assert (step, resumer.last()) == (1, first) and _same(restarted, model), (step, warnings)
+    lagging._pending[2].join()  # the stalled upload lands late, and still nothing commits it
+    s3.faults()
+    whole, names = committed(s3, bucket, "run/")
+    assert whole == [first.rsplit("/", 1)[1]] and f"step-00000002-{lagging.token}" in names, (whole, names)
+    resumer.save(2, restarted, again_opt, state)
+    resumer.save(3, restarted, again_opt, state)
+    whole, names = committed(s3, bucket, "run/")
+    assert names == [f"step-00000002-{resumer.token}", f"step-00000003-{resumer.token}"] == whole[::-1], names
+    commits_point_at_objects(s3, bucket, "run/")
+
+
+def test_keep_checkpoints_1_never_leaves_s3_without_a_commit(group, aws_env):
+    """Scenario 2, --keep-checkpoints 1: the one kept checkpoint is deleted only after the next one's commit, so a
+    save lost half-way (its objects up, no commit) leaves the previous commit to resume from."""
+    import torch
+
+    from minilm_az import parallel
+    from minilm_az.checkpoint import S3Checkpointer
+
+    s3, bucket = aws_env, new_bucket(aws_env)
+    proc, uri = parallel.Process(0, 1, 0, torch.device("cpu")), f"s3://{bucket}/run"
+    model, opt, state = _tiny()
+    ck = S3Checkpointer(uri, proc, keep=1, async_save=True)
+    for step in (1, 2):
+        ck.save(step, model, opt, state)
+        ck.finalize()
+        assert committed(s3, bucket, "run/") == ([f"step-{step:08d}-{ck.token}"],) * 2
+    s3.faults(put_delay_s=1.0, match=r"step-00000003-")
+    ck.save(3, model, opt, state)  # lost before its commit
+    ck._pending[2].join()
+    s3.faults()
+    whole, names = committed(s3, bucket, "run/")
+    assert whole == [f"step-00000002-{ck.token}"] and len(names) == 2, (whole, names)
+    again, again_opt, _ = _tiny()
+    step, _ = S3Checkpointer(uri, proc, keep=1, async_save=False).resume(again, again_opt, {}, {}, print, 100)
+    assert step == 2 and _same(again, model)
+
+
+EMPTY_ON_RANK0 = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_s3_checkpoint import _tiny
+from minilm_az.checkpoint import Checkpointer, CheckpointError
+from minilm_az.parallel import Process
+rank, store, ckpt_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+model, opt, _ = _tiny()
+ck = Checkpointer(ckpt_dir, Process(rank, 2, 0, torch.device("cpu")), async_save=False)
+try:
+    print("resumed at step", ck.resume(model, opt, {{}}, {{}}, print, 100)[0])
+except CheckpointError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_an_empty_checkpoint_dir_on_rank_0s_host_is_refused_on_every_rank_never_a_silent_step_0(group, tmp_path):
+    """Scenario 3: rank 0's host sees an empty dir, rank 1's host the checkpoints. "Nothing to resume" is decided
+    from every rank's view: the ranks disagree, so every rank refuses in one line, and nothing is deleted."""
+    import torch
+
+    from minilm_az import parallel
+    from minilm_az.checkpoint import Checkpointer, step_dirs
+
+    model, opt, state = _tiny()
+    full, empty = tmp_path / "host1", tmp_path / "host0"
+    empty.mkdir()
+    Checkpointer(str(full), parallel.Process(0, 1, 0, torch.device("cpu")), async_save=False).save(1, model, opt, state)
+    before = step_dirs(str(full))
+    script = tmp_path / "two.py"
+    script.write_text(EMPTY_ON_RANK0.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "store"), str([empty, full][r])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for rank, (out, err) in enumerate(outs):
+        lines = out.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("refused: "), (rank, out, err[-2000:])
+        assert "the ranks see different checkpoints (rank 0 sees 0, newest none; rank 1 sees 1" in lines[0], lines
+        assert "s3://BUCKET/PREFIX" in lines[0], lines
+    assert step_dirs(str(full)) == before and os.listdir(empty) == []
