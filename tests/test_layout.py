@@ -36,8 +36,12 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # 4,200 when issue 19 split the package by audience; issue 29 put the checks at the boundary where the
     # architecture says they belong (the ownership rule and lock in outputs.py, the index schema in shards.py, the
     # config fields in hf.py, the checkpoint dir's lock and Ctrl-C in checkpoint.py): +250 lines, 59 of them paid
-    # by moving fertility to prep/. Grow it only with a reason written here.
-    assert sum(lines.values()) <= 4400, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    # by moving fertility to prep/. Issue 37 put checkpoints straight on S3 (s3.py, 145 lines: the client from
+    # the AWS environment, the write probe; S3Checkpointer: the commit, resume from an agreed listing, prune after
+    # a newer commit) and made "nothing to resume" and a shared local dir decided from every rank's view: +475
+    # lines in checkpoint.py and s3.py. The local manifests and staging dirs that S3 and the shared-dir refusal
+    # make redundant are still there; retiring them is the next trim. Grow it only with a reason written here.
+    assert sum(lines.values()) <= 4875, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"
