@@ -72,7 +72,11 @@ def cmd_clean(args) -> None:
         workers = args.workers or os.cpu_count() or 1
         report = clean.clean_corpus(read(files, args, bar), tmp, rules, workers, args.shard_mb << 20, args.samples)
         seconds = time.time() - t0
-        head = {"created_by": "tokenize.py clean", "corpus": [os.path.abspath(f) for f in files], "workers": workers}
+        head = {
+            "created_by": "tokenize.py clean",
+            "corpus": [outputs.shown(os.path.abspath(f)) for f in files],
+            "workers": workers,
+        }
         atomic_write_json(os.path.join(tmp, "clean_report.json"), {**head, **report, "seconds": round(seconds, 1)})
     for s in report["steps"]:
         counts = {k: s[k] for k in ("documents_in", "documents_out", "bytes_in", "bytes_out")}
@@ -107,7 +111,7 @@ def cmd_train(args) -> None:
             "requested_vocab_size": args.vocab_size,
             "min_frequency": args.min_frequency,
             "max_token_length": args.max_token_length,
-            "corpus": [os.path.abspath(f) for f in files],
+            "corpus": [outputs.shown(os.path.abspath(f)) for f in files],
             "doc_sep": args.doc_sep,
             "special_tokens": tk.SPECIAL_TOKENS,
         }
@@ -187,8 +191,8 @@ def cmd_encode(args) -> None:
     meta = {
         "created_by": "tokenize.py encode",
         "tokenizer": os.path.abspath(args.tokenizer),
-        "corpus": [os.path.abspath(f) for f in files],
-        "val_corpus": [os.path.abspath(f) for f in val_files] if val_files else None,
+        "corpus": [outputs.shown(os.path.abspath(f)) for f in files],
+        "val_corpus": [outputs.shown(os.path.abspath(f)) for f in val_files] if val_files else None,
         "val_fraction": 0.0 if val_files else args.val_fraction,
         "doc_sep": args.doc_sep,
         "normalization": "NFC",
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (ValueError, OSError) as e:  # CorpusError is a ValueError; OSError: a full or read-only disk
-        print(f"tokenize.py {args.command}: error: {e}", file=sys.stderr)
+        print(f"tokenize.py {args.command}: error: {outputs.shown(str(e))}", file=sys.stderr)  # names not UTF-8
         return 2
     except KeyboardInterrupt:
         print(f"tokenize.py {args.command}: interrupted", file=sys.stderr)

@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 
-from minilm_az.outputs import MARKER
+from minilm_az.outputs import MARKER, describe, shown
 
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".json", ".txt.gz", ".jsonl.gz", ".txt.zst", ".jsonl.zst", ".parquet")
 JSON_LINES = (".jsonl", ".json", ".jsonl.gz", ".jsonl.zst")
@@ -44,7 +44,7 @@ def need_extra(module: str, path: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise CorpusError(
-            f"{path}: reading it needs {module}, which is in the prep extra: pip install -e '.[prep]'"
+            f"{shown(path)}: reading it needs {module}, which is in the prep extra: pip install -e '.[prep]'"
         ) from None
 
 
@@ -75,17 +75,21 @@ def corpus_files(paths: Iterable[str]) -> list[str]:
                     else:
                         skipped.append(os.path.join(root, name))
             if skipped:
-                names = ", ".join(os.path.relpath(f, p) for f in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
+                names = ", ".join(shown(os.path.relpath(f, p)) for f in skipped[:10]) + (
+                    " ..." if len(skipped) > 10 else ""
+                )
                 print(f"warning: {p}: skipped {len(skipped)} files that are not corpus files: {names}", file=sys.stderr)
             if not found:
-                raise CorpusError(f"no corpus files ({', '.join(CORPUS_SUFFIXES)}) under directory {p}")
+                raise CorpusError(f"no corpus files ({', '.join(CORPUS_SUFFIXES)}) under directory {shown(p)}")
             files += found
         elif os.path.isfile(p):
             if not p.endswith(CORPUS_SUFFIXES):
-                raise CorpusError(f"{p}: unsupported corpus file (expected {', '.join(CORPUS_SUFFIXES)})")
+                raise CorpusError(f"{shown(p)}: unsupported corpus file (expected {', '.join(CORPUS_SUFFIXES)})")
             files.append(p)
+        elif os.path.lexists(p):  # /dev/null, a FIFO or a shell's <(...), a dangling link: it exists, so say what
+            raise CorpusError(f"{shown(p)} is {describe(p)}, not a corpus file; give a file or a directory of them")
         else:
-            raise CorpusError(f"corpus path not found: {p}")
+            raise CorpusError(f"corpus path not found: {shown(p)}")
     if not files:
         raise CorpusError("no corpus paths given")
     for path in files:
@@ -112,8 +116,8 @@ def _check_json_lines(path: str) -> None:
         ok = False
     if not ok:
         raise CorpusError(
-            f"{path}: a .json corpus file must be JSON lines (one object with a text field a line), and its first "
-            "line is not one; convert it, or move it out of the corpus"
+            f"{shown(path)}: a .json corpus file must be JSON lines (one object with a text field a line), and its "
+            "first line is not one; convert it, or move it out of the corpus"
         )
 
 
@@ -157,7 +161,7 @@ def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str
                     text = line.decode("utf-8", errors)
                 except UnicodeDecodeError as e:
                     raise CorpusError(
-                        f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {lineno}); "
+                        f"{shown(path)}: not valid UTF-8 at byte offset {offset + e.start} (line {lineno}); "
                         "fix the file or decode with errors='replace' (--errors replace)"
                     ) from None
                 if lineno == 1 and text.startswith("\ufeff"):
@@ -182,7 +186,7 @@ def _file_documents(path, doc_sep, errors, text_field, on_bytes) -> Iterator[str
             if paragraph:
                 yield "\n".join(paragraph)
         except (EOFError, gzip.BadGzipFile, OSError, zlib.error, _zstd_error()) as e:  # zlib: bad deflate
-            raise CorpusError(f"{path}: cannot read ({e}); is it a complete, uncorrupted file?") from None
+            raise CorpusError(f"{shown(path)}: cannot read ({e}); is it a complete, uncorrupted file?") from None
         if on_bytes is not None:
             on_bytes(raw.tell() - reported)
 
@@ -248,19 +252,21 @@ def _parquet_documents(path: str, text_field: str, on_bytes) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise CorpusError(f"{path}: not a readable Parquet file ({e})") from None
+        raise CorpusError(f"{shown(path)}: not a readable Parquet file ({e})") from None
     schema = pf.schema_arrow
     if text_field not in schema.names:
-        raise CorpusError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); see --text-field")
+        raise CorpusError(
+            f"{shown(path)}: no column {text_field!r} (columns: {', '.join(schema.names)}); see --text-field"
+        )
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise CorpusError(f"{path}: column {text_field!r} holds {kind}, not strings")
+        raise CorpusError(f"{shown(path)}: column {text_field!r} holds {kind}, not strings")
     size, groups, reported = os.path.getsize(path), pf.num_row_groups, 0
     for g in range(groups):  # one row group in memory at a time, only the text column
         try:
             column = pf.read_row_group(g, columns=[text_field]).column(0)
         except (pa.ArrowException, OSError) as e:
-            raise CorpusError(f"{path}: cannot read row group {g} ({e}); is it a complete file?") from None
+            raise CorpusError(f"{shown(path)}: cannot read row group {g} ({e}); is it a complete file?") from None
         for doc in column.to_pylist():
             if doc and not doc.isspace():
                 yield doc
@@ -275,10 +281,10 @@ def _jsonl_text(line: str, path: str, lineno: int, field: str) -> str | None:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise CorpusError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})") from None
+        raise CorpusError(f"{shown(path)}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
         got = type(obj.get(field)).__name__ if isinstance(obj, dict) and field in obj else "none"
-        raise CorpusError(f"{path}:{lineno}: expected an object with a string {field!r} field (got {got})")
+        raise CorpusError(f"{shown(path)}:{lineno}: expected an object with a string {field!r} field (got {got})")
     return obj[field]
 
 
