@@ -171,10 +171,6 @@ PROBE_SCRIPT = textwrap.dedent("""
     code = 3 if os.environ.get("SM_HP_STEPS") == "3" else 0
     if os.environ.get("RANK", "0") == "0":
         open(os.path.join(os.environ["SM_MODEL_DIR"], "probe.json"), "w").write(json.dumps(sys.argv))
-        ckpt = "/opt/ml/checkpoints"
-        if os.path.isdir(ckpt):
-            os.makedirs(ckpt + "/phase2", exist_ok=True)
-            open(ckpt + "/phase2/probe", "w").write("x")
     sys.exit(code)
 """)
 
@@ -228,7 +224,9 @@ def test_harness_runs_train_under_the_containers_torchrun_with_its_argv_and_env(
     decoded = {k: json.loads(v) for k, v in hps.items() if not k.startswith("sagemaker_")}
     assert json.loads(env["SM_HPS"]) == decoded
     assert probes[0]["path"][0] == code_dir(run, tmp_path)  # the uploaded code, not this checkout
-    assert run.model_files() == ["probe.json"] and run.checkpoint_files() == ["phase2/probe"]
+    assert run.model_files() == ["probe.json"] and run.checkpoint_dir is None  # no CheckpointConfig: no local sync
+    # checkpoints go to the job's S3 prefix, from every rank (issue 37)
+    assert dict(zip(argv, argv[1:]))["--checkpoint-dir"] == smc.checkpoint_uri({"HyperParameters": hps})
     assert (run.output_dir / "success").is_file() == (sdk == "v2")  # 3.x's sm_train.sh leaves no such file
 
 
@@ -315,14 +313,18 @@ def test_train_phase2_under_torchrun_exports_and_checkpoints(
     files = run.model_files()
     assert "config.json" in files and "model.safetensors" in files, run.explain()
     assert "tokenizer.json" in files
-    from test_dcp_checkpoint import latest_checkpoint
-
-    assert latest_checkpoint(str(run.checkpoint_dir / "phase2")), run.explain()  # every manifest there and matching
+    assert committed_in_s3(tmp_path, "phase2/"), run.explain()  # every rank's part, and rank 0's commit last
     # --tensorboard: event files in the dir the job's TensorBoardOutputConfig uploads (test_sagemaker checks its path)
     assert any(f.name.startswith("events.out.tfevents") for f in (run.output_dir / "tensorboard").iterdir())
     log = run.program_output()
     assert len(_metric_values(log, "train:loss")) == 4, run.explain()  # CloudWatch reads these off the log
     assert _metric_values(log, "eval:val_bpb"), run.explain()
+
+
+def committed_in_s3(tmp_path: Path, under: str) -> list[str]:
+    """The checkpoints with a commit.json under the replayed job's --checkpoint-dir (+ `under`), on the S3 server."""
+    uri = json.loads(run_hps(tmp_path)["checkpoint-dir"]) + under
+    return sorted(k for k in smc.s3_objects(uri) if k.endswith("/commit.json"))
 
 
 def _count_lines(path: Path) -> int:
@@ -362,7 +364,5 @@ def test_finetune_reads_the_val_data_channel_and_writes_the_adapter(aws, tmp_pat
         f"no log line gives the val set's size as {n_val} (the lines of {CHAT_VAL.name})\n{run.explain()}"
     )
     assert _metric_values(run.program_output(), "eval:val_loss", sm.FINETUNE_METRICS)
-    # and it checkpointed into the dir SageMaker syncs with the job's checkpoint prefix, complete
-    from test_dcp_checkpoint import latest_checkpoint
-
-    assert run.checkpoint_dir is not None and latest_checkpoint(str(run.checkpoint_dir)), run.explain()
+    # and it checkpointed straight to the job's checkpoint prefix on S3, committed
+    assert committed_in_s3(tmp_path, ""), run.explain()
