@@ -2,6 +2,13 @@
 
     cd bench && PYTHONPATH=.. python checkpoint_stall.py --out-dir /tmp/ck          # H200: 1B, ~5 min
     cd bench && PYTHONPATH=.. python checkpoint_stall.py --preset tiny --device cpu --seq-len 64 --micro-batch 2
+    cd bench && PYTHONPATH=.. python checkpoint_stall.py --modes async,s3     # S3: a local server, or --s3 URI
+
+Mode `s3` is the async save to an s3:// prefix (checkpoint.S3Checkpointer: every rank's objects, then the commit),
+to `--s3 s3://BUCKET/PREFIX` with the AWS environment (AWS_ENDPOINT_URL_S3 for MinIO & co.), or without `--s3` to a
+local moto S3 server that this script starts (tests/s3_server.py; the `s3` and `dev` extras). `write_s` then
+runs until every rank's objects are uploaded (the commit follows at the next finalize), and `size_gib` is the
+objects' total.
 
 The model is built as train.py builds it on one GPU (meta -> FSDP2 with bf16 compute -> materialise,
 fused AdamW), trained a few steps on random tokens so the optimizer state exists, then checkpointed
@@ -33,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minilm_az import parallel  # noqa: E402
-from minilm_az.checkpoint import Checkpointer  # noqa: E402
+from minilm_az.checkpoint import open_checkpoints  # noqa: E402
 from minilm_az.kernels import select_ops  # noqa: E402
 from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
 
@@ -85,9 +92,9 @@ def disk_gib_per_s(path: str, gib: float = 2.0) -> float:
 
 
 def measure(mode: str, model, opt, step, args, proc, first_step: int, deadline: float, rows: list) -> None:
-    ck_dir = os.path.join(args.out_dir, mode)
+    ck_dir = f"{args.s3.rstrip('/')}/{time.time_ns()}" if mode == "s3" else os.path.join(args.out_dir, mode)
     shutil.rmtree(ck_dir, ignore_errors=True)
-    ck = Checkpointer(ck_dir, proc, keep=1, async_save=mode == "async")
+    ck = open_checkpoints(ck_dir, proc, keep=1, async_save=mode != "sync")
     last_write = 0.0
     for r in range(args.repeats):
         if time.time() + 1.5 * last_write + 30 > deadline:
@@ -112,7 +119,7 @@ def measure(mode: str, model, opt, step, args, proc, first_step: int, deadline: 
         if mode == "sync":
             write_s = in_save
         last_write = write_s
-        n_during = len(after) if mode == "async" else args.steps
+        n_during = len(after) if mode != "sync" else args.steps
         slow_all = sum(after[:n_during]) - n_during * base
         rows.append(
             {
@@ -121,17 +128,34 @@ def measure(mode: str, model, opt, step, args, proc, first_step: int, deadline: 
                 "in_save_s": in_save,
                 "slowdown_s": sum(after[: args.steps]) - args.steps * base,
                 "slowdown_all_s": slow_all,
-                "steps_during_write": n_during if mode == "async" else 0,
+                "steps_during_write": n_during if mode != "sync" else 0,
                 "stall_s": in_save + slow_all,
                 "write_s": write_s,
                 "step_s": base,
-                "size_gib": dir_bytes(final) / 2**30,
+                "size_gib": (s3_bytes(ck, final) if mode == "s3" else dir_bytes(final)) / 2**30,
             }
         )
         print(row_line(rows[-1]), flush=True)
         save_json(args, rows)
     ck.close()
     shutil.rmtree(ck_dir, ignore_errors=True)  # keep the disk for the next mode
+
+
+def s3_bytes(ck, uri: str) -> int:
+    """The total size of checkpoint `uri`'s objects on S3."""
+    return sum(ck.store.list(ck.store.where.key(uri.rsplit("/", 1)[1]) + "/").values())
+
+
+def local_s3(workdir: str) -> str:
+    """Start the tests' local S3 server (moto) with a bucket, point the AWS environment at it; the s3:// URI."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from s3_server import S3Server
+
+    server = S3Server.start(__import__("pathlib").Path(workdir))
+    server.make_bucket("stall")
+    __import__("atexit").register(server.stop)
+    os.environ.update(server.env())
+    return "s3://stall/bench"
 
 
 def save_json(args, rows: list) -> None:
@@ -169,12 +193,15 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--budget-s", type=float, default=540, help="skip repeats that would end after this")
     ap.add_argument("--out-dir", default="/tmp/ck", help="checkpoints go here (local disk)")
+    ap.add_argument("--s3", help="mode s3's prefix, s3://BUCKET/PREFIX (default: a local server this script starts)")
     ap.add_argument(
         "--json", default=os.path.join(os.environ["OUT"], "checkpoint_stall.json") if os.environ.get("OUT") else None
     )
     args = ap.parse_args()
 
     deadline = time.time() + args.budget_s
+    if "s3" in args.modes.split(",") and not args.s3:
+        args.s3 = local_s3(os.path.join(args.out_dir, "s3server"))
     proc = parallel.setup(args.device)
     model, opt = build(args.preset, args.vocab, proc)
     step = make_step(model, opt, args, proc.device)
