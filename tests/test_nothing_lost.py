@@ -1,0 +1,490 @@
+"""Nothing lost, second pass (issue 38): one row or more per family, each a bad input given as a user gives it.
+
+Every row asserts, as tests/test_bad_inputs.py's rows do (its helpers are imported): the exit code, exactly one
+`<prog>: error:` line holding the row's fragment, no traceback, and that every file that existed is byte-identical
+afterwards. Here that is every file of the row's own directory W (its inputs, and the files beside them that lie
+outside the dirs on the command line) and of the shared fixtures, metrics.jsonl included, less the paths a row
+names in `changes` (a run that must succeed writes its output). One set-up (a 400-id tokenizer, its shards, a
+2-step tiny model and a 1-step adapter) is shared by every row; the rows run two at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from test_bad_inputs import CHAT, KDE, ROOT, SMALL, SMALL_FT, _argv, _clean_env, own_tracebacks
+
+ROW_TIMEOUT = 300
+TR = f"python train.py --phase 2 --preset tiny --tokenizer {{T}} --data {{S}} {SMALL}"  # how M was made
+FT = f"python finetune.py --model {{M}} --data {{CHAT}} {SMALL_FT}"  # how A was made
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    cmd: str  # with {placeholders}: fixtures (T, S, M, A), the row's dir W and what its prep returns
+    fragment: str = ""  # in the one error line (formatted like cmd)
+    code: int = 2
+    prep: Callable | None = None  # prep(fx, w) -> extra placeholders
+    env: dict = dataclasses.field(default_factory=dict)
+    changes: tuple[str, ...] = ()  # paths (formatted) a succeeding row may write; every other file must stay
+    absent: tuple[str, ...] = ()  # paths (formatted) that must not exist afterwards
+    prog: str = ""  # the error line's program when it is not the script's name (the demo)
+    check: Callable | None = None
+    log_grows: bool = False  # metrics.jsonl may gain lines (its earlier bytes stay): a refusal after the claim
+
+
+def tree(path: str) -> dict[str, str]:
+    """{relative path: sha256 or link target} of everything under `path` (the run's lock, gone at exit, left out)."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, path)
+            if name.startswith(".minilm-az.lock"):
+                continue
+            if os.path.islink(p):
+                out[rel] = "-> " + os.readlink(p)
+            elif name == "metrics.jsonl":
+                with open(p, "rb") as f:
+                    out[rel] = f.read()
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    out[rel] = hashlib.sha256(f.read()).hexdigest()
+            else:
+                out[rel] = "special"
+    return out
+
+
+# ---------------------------------------------------------------- row inputs
+
+
+def _copy(src: str, dst: str) -> str:
+    shutil.copytree(src, dst, symlinks=True) if os.path.isdir(src) else shutil.copyfile(src, dst)
+    return dst
+
+
+def finished_run(fx, w):
+    """A copy of M, a finished train.py run, whose checkpoints/ was removed to free disk."""
+    x = _copy(fx["M"], os.path.join(w, "run"))
+    shutil.rmtree(os.path.join(x, "checkpoints"))
+    return {"X": x}
+
+
+def finished_adapter(fx, w):
+    x = _copy(fx["A"], os.path.join(w, "adapter"))
+    shutil.rmtree(os.path.join(x, "checkpoints"))
+    return {"X": x}
+
+
+def run_without_tensorboard(fx, w):
+    """A copy of M (trained without --tensorboard), where a user keeps a file in tensorboard/."""
+    x = _copy(fx["M"], os.path.join(w, "run"))
+    os.makedirs(os.path.join(x, "tensorboard"))
+    with open(os.path.join(x, "tensorboard", "notes.txt"), "w") as f:
+        f.write("mine\n")
+    return {"X": x}
+
+
+def out_links_to_base(fx, w):
+    x = _copy(fx["M"], os.path.join(w, "base"))
+    os.symlink(x, os.path.join(w, "link"))
+    return {"X": x, "L": os.path.join(w, "link")}
+
+
+def hardlinked_twin(fx, w):
+    """M copied, then the copy copied again with hard links (`cp -al`): the twin shares every file's inode."""
+    a = _copy(fx["M"], os.path.join(w, "a"))
+    subprocess.run(["cp", "-al", a, os.path.join(w, "b")], check=True)
+    return {"X": os.path.join(w, "b")}
+
+
+def lock_dangling_link(fx, w):
+    x = os.path.join(w, "out")
+    os.makedirs(x)
+    os.symlink(os.path.join(w, "outside", "created"), os.path.join(x, ".minilm-az.lock.sagemaker-ignore"))
+    os.makedirs(os.path.join(w, "outside"))
+    return {"X": x}
+
+
+def lock_is_dir(fx, w):
+    x = os.path.join(w, "out")
+    os.makedirs(os.path.join(x, ".minilm-az.lock.sagemaker-ignore"))
+    return {"X": x}
+
+
+def out_dangling_link(fx, w):
+    os.symlink(os.path.join(w, "nowhere", "deeper"), os.path.join(w, "out"))
+    return {"X": os.path.join(w, "out")}
+
+
+def shard_rewritten(fx, w):
+    """M's run dir (with its checkpoints) and a copy of its shards whose first train shard is rewritten in place
+    (two tokens swapped: valid ids, the same size), index.json unchanged."""
+    x = _copy(fx["M"], os.path.join(w, "run"))
+    s = _copy(fx["S"], os.path.join(w, "shards"))
+    with open(os.path.join(s, "index.json")) as f:
+        first = json.load(f)["splits"]["train"]["shards"][0]["file"]
+    with open(os.path.join(s, first), "r+b") as f:
+        data = bytearray(f.read())
+        mid = len(data) // 2 & ~1
+        data[mid : mid + 2], data[mid + 2 : mid + 4] = data[mid + 2 : mid + 4], data[mid : mid + 2]
+        if data[mid : mid + 2] == data[mid + 2 : mid + 4]:
+            data[mid : mid + 2] = (1).to_bytes(2, "little")
+        f.seek(0)
+        f.write(data)
+    return {"X": x, "S2": s}
+
+
+def _shards_with(fx, w, split: str, edit) -> dict:
+    s = _copy(fx["S"], os.path.join(w, "shards"))
+    with open(os.path.join(s, "index.json")) as f:
+        file = os.path.join(s, json.load(f)["splits"][split]["shards"][0]["file"])
+    with open(file, "r+b") as f:
+        f.write(edit(os.path.getsize(file)))
+    return {"S2": s, "BIN": file}
+
+
+def random_bytes_train(fx, w):
+    """The train shard overwritten with random bytes (index.json and its max_id unchanged): ids far past 400."""
+    return _shards_with(fx, w, "train", lambda n: os.urandom(n))
+
+
+def id_past_vocab_val(fx, w):
+    """One id (420) past the 400-id vocabulary in the val shard, below the 448 embedding rows."""
+    return _shards_with(fx, w, "val", lambda n: (420).to_bytes(2, "little"))
+
+
+def model_without_tokenizer(fx, w):
+    x = _copy(fx["M"], os.path.join(w, "model"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(x, name)):
+            os.remove(os.path.join(x, name))
+    return {"X": x}
+
+
+def checkpoints_is_a_file(fx, w):
+    x = _copy(fx["M"], os.path.join(w, "run"))
+    shutil.rmtree(os.path.join(x, "checkpoints"))
+    with open(os.path.join(x, "checkpoints"), "w") as f:
+        f.write("a note\n")
+    return {"X": x}
+
+
+def corpus_fifo(fx, w):
+    os.mkfifo(os.path.join(w, "pipe.txt"))
+    return {"X": os.path.join(w, "pipe.txt")}
+
+
+def check_user_file_stays(r):
+    assert "export dir=" in r.stdout, r.stdout[-2000:]
+    with open(os.path.join(r.paths["X"], "tensorboard", "notes.txt")) as f:
+        assert f.read() == "mine\n"
+
+
+def check_twin_resumed(r):
+    assert "resume from=" in r.stdout, r.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- the table
+
+NEW = "--out {W}/new"
+ROWS = [
+    # 1. a finished output is replaced only with --overwrite
+    Row(
+        "f1_train_finished_no_checkpoints",
+        f"{TR} --steps 1 --out {{X}}",
+        "no checkpoint to continue",
+        prep=finished_run,
+        log_grows=True,
+    ),
+    Row(
+        "f1_train_finished_own_checkpoint_dir",
+        f"{TR} --steps 1 --out {{X}} --checkpoint-dir {{W}}/ckpt",
+        "no checkpoint to continue",
+        prep=finished_run,
+        log_grows=True,
+    ),
+    Row(
+        "f1_finetune_finished_no_checkpoints",
+        f"{FT} --out {{X}}",
+        "no checkpoint to continue",
+        prep=finished_adapter,
+        log_grows=True,
+    ),
+    # 2. cleanup removes only the files a run recorded writing
+    Row(
+        "f2_overwrite_keeps_a_file_in_tensorboard",
+        f"{TR} --resume never --overwrite --out {{X}}",
+        code=0,
+        prep=run_without_tensorboard,
+        changes=("{X}",),
+        check=check_user_file_stays,
+    ),
+    # 3. paths compared as files
+    Row(
+        "f3_out_symlink_to_base",
+        f"{TR} --base-model {{X}} --overwrite --out {{L}}",
+        "is --base-model",
+        prep=out_links_to_base,
+    ),
+    Row(
+        "f3_hardlinked_twin",
+        f"{TR} --out {{X}}",
+        code=0,
+        prep=hardlinked_twin,
+        changes=("{X}",),
+        check=check_twin_resumed,
+    ),
+    Row(
+        "f3_lock_dangling_link",
+        f"{TR} --out {{X}}",
+        "is a symlink to",
+        prep=lock_dangling_link,
+        absent=("{W}/outside/created",),
+    ),
+    # 4. inputs known by content
+    Row("f4_shard_rewritten_in_place", f"{TR} --data {{S2}} --out {{X}}", "from other inputs", prep=shard_rewritten),
+    Row(
+        "f4_random_bytes_in_train_shard",
+        f"{TR} --data {{S2}} {NEW}",
+        "{BIN}: token",
+        prep=random_bytes_train,
+        changes=("{W}/new",),
+    ),
+    Row(
+        "f4_id_past_vocab_in_val_shard",
+        f"{TR} --data {{S2}} {NEW}",
+        "{BIN}: token 0 is id 420",
+        prep=id_past_vocab_val,
+        changes=("{W}/new",),
+    ),
+    Row(
+        "f4_model_without_tokenizer_json",
+        f"python train.py --eval-only --base-model {{X}} --tokenizer {{T}} --eval-text {KDE} --seq-len 32 {NEW}",
+        "has no tokenizer.json",
+        prep=model_without_tokenizer,
+    ),
+    # 5. every value checked where it enters, named
+    Row("f5_out_empty", f'{TR} --out ""', "--out is empty", absent=("runs/phase2/minilm-az-output.json",)),
+    Row("f5_steps_empty", f'{TR} --steps "" {NEW}', "--steps is empty"),
+    Row("f5_lora_alpha_0", f"{FT} --lora-alpha 0 {NEW}", "--lora-alpha"),
+    Row("f5_seed_negative", f"{FT} --seed -1 {NEW}", "--seed"),
+    Row("f5_adapter_on_a_training_run", f"{FT} --adapter {{A}} {NEW}", "--adapter does nothing without --chat"),
+    Row("f5_tokenize_out_empty", f'python tokenize.py train --corpus {KDE} --out ""', "--out is empty"),
+    Row("f5_demo_procs_0", "python -m demo --procs 0 --runs-dir {W}", "--procs", prog="python -m demo"),
+    *(
+        Row(f"f5_env_{var.lower()}_{i}", f"{TR} {NEW}", var, env={var: value})
+        for var, values in (
+            ("MINILM_AZ_COLLECTIVE_TIMEOUT_S", ("abc", "inf", "-5")),
+            ("OMP_NUM_THREADS", ("0", "4,2")),
+            ("WORLD_SIZE", ("abc",)),
+        )
+        for i, value in enumerate(values)
+    ),
+    Row("f5_env_world_size_finetune", f"{FT} {NEW}", "WORLD_SIZE", env={"WORLD_SIZE": "abc"}),
+    # 6. no file of an --eval-only without --out
+    Row(
+        "f6_eval_only_tensorboard_without_out",
+        f"python train.py --eval-only --base-model {{M}} --tokenizer {{M}} --eval-text {KDE} --tensorboard",
+        "--tensorboard with --eval-only needs --out",
+        absent=("runs/phase2/tensorboard",),
+    ),
+    # 8. errors say what was found
+    Row("f8_out_dangling_link", f"{TR} --out {{X}}", "a symlink to", prep=out_dangling_link, absent=("{W}/nowhere",)),
+    Row("f8_lock_is_a_directory", f"{TR} --out {{X}}", "where the run's lock file goes", prep=lock_is_dir),
+    Row("f8_corpus_dev_null", "python tokenize.py train --corpus /dev/null --out {W}/tok", "a character device"),
+    Row("f8_corpus_fifo", "python tokenize.py train --corpus {X} --out {W}/tok", "a FIFO", prep=corpus_fifo),
+    Row("f8_prompt_empty", 'python finetune.py --model {M} --prompt ""', "--prompt is empty"),
+    Row(
+        "f8_checkpoints_is_a_file",
+        f"{TR} --out {{X}}",
+        "is a file, where a directory belongs",
+        prep=checkpoints_is_a_file,
+    ),
+]
+
+
+# ---------------------------------------------------------------- running the rows
+
+
+@dataclasses.dataclass
+class Result:
+    row: Row
+    paths: dict
+    argv: list
+    rc: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    before: dict = dataclasses.field(default_factory=dict)
+    after: dict = dataclasses.field(default_factory=dict)
+
+    def explain(self) -> str:
+        out = f"\n--- stdout\n{self.stdout[-2500:]}\n--- stderr\n{self.stderr[-2500:]}"
+        return f"\n$ {shlex.join(self.argv)}\nrc={self.rc}{out}"
+
+
+def _run(cmd: str, **paths) -> None:
+    argv = _argv(cmd.format(**paths))
+    p = subprocess.run(argv, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=ROW_TIMEOUT)
+    assert p.returncode == 0, f"fixture failed: {shlex.join(argv)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> dict:
+    """T: a 400-id tokenizer (kde); S: its shards; M: a finished 2-step tiny model; A: a finished 1-step adapter."""
+    d = str(tmp_path_factory.mktemp("nothing_lost_fx"))
+    p = {k: os.path.join(d, k) for k in ("T", "S", "M", "A")} | {"CHAT": CHAT}
+    _run(f"python tokenize.py train --no-progress --vocab-size 400 --corpus {KDE} --out {{T}}", **p)
+    _run(
+        f"python tokenize.py encode --no-progress --tokenizer {{T}} --corpus {KDE} --val-fraction 0.05 --out {{S}}", **p
+    )
+    _run(TR + " --out {M}", **p)
+    _run(FT + " --out {A}", **p)
+    return p
+
+
+def run_row(row: Row, fx: dict, base: str) -> Result:
+    w = os.path.join(base, row.id)
+    os.makedirs(w)
+    paths = {**fx, "W": w}
+    if row.prep:
+        paths.update(row.prep(fx, w))
+    argv = _argv(row.cmd.format(**paths))
+    r = Result(row, paths, argv)
+    r.before = tree(w)
+    try:
+        p = subprocess.run(
+            argv,
+            cwd=ROOT,
+            env={**_clean_env(), **row.env},
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=ROW_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        r.rc, r.stdout, r.stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        r.rc, r.stderr = None, f"{e.stderr or ''}\n(timed out)"
+    r.after = tree(w)
+    return r
+
+
+@pytest.fixture(scope="module")
+def results(request, fx, tmp_path_factory) -> dict[str, Result]:
+    wanted = {
+        i.callspec.params["row"].id
+        for i in request.session.items
+        if hasattr(i, "callspec") and "row" in i.callspec.params
+    }
+    before = tree(os.path.dirname(fx["T"]))
+    base = str(tmp_path_factory.mktemp("nothing_lost_rows"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {r.id: pool.submit(run_row, r, fx, base) for r in ROWS if r.id in wanted}
+        out = {k: f.result() for k, f in futures.items()}
+    assert tree(os.path.dirname(fx["T"])) == before, "a row changed the shared fixtures (data loss)"
+    return out
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_nothing_lost(row: Row, results):
+    r = results[row.id]
+    fmt = lambda s: s.format(**r.paths)  # noqa: E731
+    assert r.rc == row.code, f"exit code {r.rc}, expected {row.code}" + r.explain()
+    assert "Traceback" not in r.stderr + r.stdout and not own_tracebacks(r.stderr), "a traceback" + r.explain()
+    prog = row.prog or next(w for w in shlex.split(row.cmd) if w.endswith(".py"))
+    errors = [ln for ln in r.stderr.splitlines() if re.match(re.escape(prog) + r"( [a-z]+)?: error: ", ln)]
+    if row.code == 0:
+        assert not errors, "an error line from a run that must succeed" + r.explain()
+    else:
+        assert len(errors) == 1, f"{len(errors)} error lines, expected one" + r.explain()
+        assert fmt(row.fragment) in errors[0], f"{fmt(row.fragment)!r} not in the error line" + r.explain()
+    w = r.paths["W"]
+    allowed = [os.path.relpath(fmt(c), w) for c in row.changes]
+
+    def keep(t: dict) -> dict:
+        return {k: v for k, v in t.items() if not any(k == a or k.startswith(a + os.sep) for a in allowed)}
+
+    before, after = keep(r.before), keep(r.after)
+    if row.log_grows:  # an append-only log keeps every earlier byte
+        for k, v in before.items():
+            if k.endswith("metrics.jsonl") and isinstance(after.get(k), bytes) and after[k].startswith(v):
+                after[k] = v
+    assert after == before, "a file that existed changed or went, or a file appeared (data loss)" + r.explain()
+    for p in row.absent:
+        assert not os.path.lexists(os.path.join(ROOT, fmt(p))), f"{fmt(p)} exists: the command wrote it" + r.explain()
+    if row.check:
+        row.check(r)
+
+
+# ---------------------------------------------------------------- in-process: where no CLI path is under test
+
+
+def test_a_model_changed_in_the_middle_is_another_model(tmp_path):
+    """4: the fingerprint reads every byte (it read only the first and last MiB: a change between them was missed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from minilm_az.hf import model_fingerprint
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(3 << 18)}, str(d / "model.safetensors"))  # 3 MiB
+    before = model_fingerprint(str(d))
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(os.path.getsize(d / "model.safetensors") // 2)
+        f.write(b"\x01")
+    assert model_fingerprint(str(d)) != before
+
+
+def test_a_demo_rerun_keeps_what_a_person_put_in_its_dir_and_logs(tmp_path):
+    """2 and 7: a rerun removes the files demo.json lists, never a folder's other files."""
+    from demo import run as demo
+
+    run = tmp_path / "demo"
+    (run / "logs").mkdir(parents=True)
+    (run / "phase2").mkdir()
+    for name in ("logs/01_clean.log", "phase2/model.safetensors", "logs/mine.txt", "phase2/notes.md"):
+        (run / name).write_text(name)
+    files = ["logs/01_clean.log", "phase2/model.safetensors", demo.MARKER]
+    (run / demo.MARKER).write_text(json.dumps({"files": files}))
+    demo.prepare_run_dir(str(run))
+    assert sorted(os.listdir(run / "logs")) == ["mine.txt"] and os.listdir(run / "phase2") == ["notes.md"]
+
+
+def test_a_second_demo_of_the_same_name_is_refused_and_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
+    """7: one lock per run name; Ctrl-C ends the demo with one line and exit 130."""
+    from demo import run as demo
+
+    run = tmp_path / "demo"
+    run.mkdir()
+    lock = run / ".minilm-az.lock.sagemaker-ignore"
+    holder = f"import fcntl, time; f = open({str(lock)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True)"
+    proc = subprocess.Popen([sys.executable, "-c", holder + "; time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()
+        with pytest.raises(SystemExit, match="another run is writing there now"):
+            demo.run_demo("demo", demo.QUICK, str(tmp_path), baseline=KDE)
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    assert demo.main(["--runs-dir", str(tmp_path), "--name", "other"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["demo: interrupted; a rerun of --name other starts over"]
