@@ -244,32 +244,48 @@ def test_data_directory_layout_is_explicit_and_every_match_is_used(tmp_path):
         chat_files(str(tmp_path / "x.jsonl"), None)
 
 
-def test_a_killed_finetune_resumes_to_the_same_adapter(base, tmp_path):
+def test_a_killed_finetune_resumes_to_the_same_adapter_from_a_local_dir_and_from_s3(base, tmp_path):
     """A spot interruption: SIGKILL once step 5 is logged, then the same command (--resume auto, the default). The
-    adapter equals an uninterrupted run's, with dropout on (each rank's RNG is in the checkpoint)."""
+    adapter equals an uninterrupted run's, with dropout on (each rank's RNG is in the checkpoint): with the
+    checkpoints beside the output, and with `--checkpoint-dir s3://…` on a local S3 server (issue 37)."""
     from safetensors.torch import load_file
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from s3_server import S3Server
+
     args = [*ARGS, "--steps", "8", "--lora-dropout", "0.1", "--checkpoint-every", "2", "--eval-every", "4"]
-    whole, out = str(tmp_path / "whole"), str(tmp_path / "killed")
+    whole = str(tmp_path / "whole")
     _run([sys.executable, "finetune.py", "--model", base, "--out", whole, *args])
-    cmd = [sys.executable, "finetune.py", "--model", base, "--out", out, *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    s3 = S3Server.start(tmp_path / "s3server")
     try:
-        for line in p.stdout:
-            if line.startswith("finetune step=5 "):
-                break
+        s3.make_bucket("finetune-ckpt")
+        env = {**ENV, **s3.env()}
+        for where, extra in (("local", []), ("s3", ["--checkpoint-dir", "s3://finetune-ckpt/run/"])):
+            out = str(tmp_path / f"killed-{where}")
+            cmd = [sys.executable, "finetune.py", "--model", base, "--out", out, *args, *extra]
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                for line in p.stdout:
+                    if line.startswith("finetune step=5 "):
+                        break
+            finally:
+                p.kill()
+                p.communicate(timeout=60)
+            assert not os.path.exists(os.path.join(out, "adapter_model.safetensors")), where
+            if where == "s3":
+                keys = s3.keys("finetune-ckpt", "run/")
+                assert any(k.endswith("commit.json") for k in keys), keys  # the kill left a committed checkpoint
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+            resumed = int(r.stdout.split("resume from=")[1].split(" step=")[1].split()[0])
+            assert resumed in (2, 4), r.stdout  # step 4's save is published by the time step 5 ends, or step 2's is
+            assert [s["step"] for s in _records(out, "finetune")][-8 + resumed :] == list(range(resumed + 1, 9))
+            for a, b in zip(_records(whole, "finetune")[resumed:], _records(out, "finetune")[-8 + resumed :]):
+                assert abs(a["loss"] - b["loss"]) <= 1e-6, (where, a, b)
+            wa, wb = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (whole, out))
+            assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6, where
     finally:
-        p.kill()
-        p.communicate(timeout=60)
-    assert not os.path.exists(os.path.join(out, "adapter_model.safetensors"))
-    r = _run(cmd)
-    resumed = int(r.stdout.split("resume from=")[1].split(" step=")[1].split()[0])
-    assert resumed in (2, 4), r.stdout  # step 4's save is published by the time step 5 ends, or step 2's is
-    assert [s["step"] for s in _records(out, "finetune")][-8 + resumed :] == list(range(resumed + 1, 9))
-    for a, b in zip(_records(whole, "finetune")[resumed:], _records(out, "finetune")[-8 + resumed :]):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
-    wa, wb = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (whole, out))
-    assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+        s3.stop()
 
 
 def test_two_prompts_reach_the_model_as_different_next_token_distributions(base, run1, monkeypatch, capsys):
