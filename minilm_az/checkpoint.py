@@ -23,6 +23,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -787,6 +788,11 @@ class RunControl:
         if self.received == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
+        if self.proc.is_main:
+            # A step can take a minute, so say at once that the stop was heard. os.write, not print: a handler that
+            # interrupts a print to the same stream would make a reentrant call into its buffer.
+            note = f"stop requested: finishing step {self.step + 1}, then stopping (Ctrl-C again stops at once)\n"
+            os.write(sys.stdout.fileno(), note.encode())
 
     def agree(self, loss: float, grad_norm: float, step: int) -> float:
         """The step's loss averaged over ranks, in one all-reduce with the stop signal, rank 0's clock and whether

@@ -142,6 +142,7 @@ def test_ctrl_c_publishes_the_written_checkpoint_and_exits_130_in_one_line(
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("train.py: error: interrupted after step "), err
     assert "Traceback" not in err + rest
+    assert re.search(r"^stop requested: finishing step \d+, then stopping", rest, re.M), rest[-2000:]
     ckpt = out / "checkpoints" / "phase2"
     names = step_dirs(str(ckpt))
     assert names and names[0] in lines[0] and check(str(ckpt / names[0])) is None
