@@ -20,18 +20,11 @@ import time
 
 import torch
 
-from minilm_az import checkpoint, lora, parallel
+from minilm_az import checkpoint, hf, lora, parallel
 from minilm_az.bpb import rank_batches
 from minilm_az.chat import ChatFormatError, collate, micro_batches
-from minilm_az.config import FinetuneConfig, check_argv
-from minilm_az.hf import (
-    load_pretrained,
-    load_weights_into,
-    model_fingerprint,
-    read_config,
-    save_pretrained,
-    saved_dtype,
-)
+from minilm_az.config import FinetuneConfig
+from minilm_az.hf import load_pretrained, load_weights_into, read_config, save_pretrained, saved_dtype
 from minilm_az.kernels import select_ops
 from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
@@ -47,7 +40,6 @@ MERGED_MARK = "merged_from_adapter.json"  # in OUT/merged: this model already ho
 def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     p = make_parser(FinetuneConfig, "finetune.py", __doc__)
     try:  # an empty value, a flag that does nothing in this mode: one line naming the flag (config.check_values)
-        check_argv(FinetuneConfig, sys.argv[1:] if argv is None else argv)
         cfg = parse_config(FinetuneConfig, p, argv)
     except ValueError as e:
         p.error(str(e))
@@ -97,9 +89,8 @@ def load_data(cfg: FinetuneConfig, tok, max_len: int, log: MetricLogger) -> tupl
     log.log("data_files", train=",".join(train_files), val=",".join(val_files) or None, held_out=held_out or None)
     targets = sum(sum(x != IGNORE for x in lab) for _, lab in examples)
     bad, dropped = len(skipped + val_skipped), dropped + val_dropped
-    log.log(
-        "data", train=len(examples), val=len(val), skipped_bad_lines=bad, dropped_truncated=dropped, max_len=max_len
-    )
+    counts = dict(train=len(examples), val=len(val), skipped_bad_lines=bad, dropped_truncated=dropped)
+    log.log("data", **counts, max_len=max_len)
     log.log("data_tokens", train_tokens=sum(len(i) for i, _ in examples), target_tokens=targets)
     return examples, val
 
@@ -114,7 +105,7 @@ def batch_order(n: int, step: int, global_batch: int, seed: int) -> list[int]:
     return idx
 
 
-# ---------------------------------------------------------------- model, eval, step
+# ---------------------------------------------------------------- model, eval, step, the loop
 
 
 def build(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger):
@@ -126,9 +117,7 @@ def build(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger):
         lora.cast_frozen(model, torch.bfloat16)
     trainable, total = lora.count_parameters(model)
     pct = round(100 * trainable / total, 3)
-    log.log(
-        "model", params=total, trainable=trainable, trainable_pct=pct, targets=",".join(targets), ops=model.ops.name
-    )
+    log.log("model", params=total, trainable=trainable, trainable_pct=pct, targets=cfg.targets, ops=model.ops.name)
     row_len = min(cfg.max_seq_len, model.config.max_seq_len)
     packed = dict(tokens_per_forward=cfg.max_tokens_per_forward or cfg.micro_batch * row_len) if cfg.packing else {}
     log.log("batch", world=proc.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
@@ -173,9 +162,6 @@ def train_step(model, batch: list, params: list, cfg: FinetuneConfig, proc, pad_
     return parallel.all_reduce_sum([nll], proc.device)[0] / n_targets, gn, sum(len(ids) - 1 for ids, _ in batch)
 
 
-# ---------------------------------------------------------------- train
-
-
 def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
     """The tokenizer (checked against the model), the longest conversation, and the encoded conversations."""
     if not os.path.isdir(cfg.model):
@@ -193,7 +179,7 @@ def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
 def run_identity(cfg: FinetuneConfig) -> tuple[dict, dict]:
     """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
     train_files, val_files = chat_files(cfg.data, cfg.val_data)
-    must = dict(model=model_fingerprint(cfg.model), data=[file_sha256(f) for f in train_files + val_files])
+    must = dict(model=hf.model_fingerprint(cfg.model), data=[file_sha256(f) for f in train_files + val_files])
     must.update({k: getattr(cfg, k) for k in ("lora_r", "lora_alpha", "targets", "max_seq_len", "last_turn_only")})
     return must, {"seed": cfg.seed, "global_batch": cfg.global_batch}
 
@@ -207,8 +193,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, proc, log)
     params = lora.lora_parameters(model)
-    fused = proc.device.type == "cuda" or None
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.999), weight_decay=cfg.weight_decay, fused=fused)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=proc.device.type == "cuda" or None)
     ckpt = checkpoint.open_checkpoints(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
     state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
     control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
@@ -220,7 +205,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
         log.log("resume", **{"from": ckpt.last()}, step=start)
     elif val:
         log.log("eval", step=0, val_loss=evaluate(model, val, cfg, proc, pad_id))
-    meter, t0 = Progress(steps, start, every=cfg.log_every), time.time()
+    meter, t0 = Progress(steps, start, every=cfg.log_every, device=proc.device.type, note=log.info), time.time()
     for step in range(start, steps):
         t_step = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, steps, cfg.min_lr_ratio)
@@ -235,8 +220,6 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
         if meter.due(done):
             w, tps = meter.flush(done), round(n_tokens / dt)
             log.log("finetune", step=done, loss=w["loss"], lr=lr, grad_norm=gn, tokens_per_s=tps, eta=w["eta"])
-            if note := meter.long_plan(done, proc.device.type):
-                log.info(note)
         if val and (done % cfg.eval_every == 0 or done == steps):
             log.log("eval", step=done, val_loss=evaluate(model, val, cfg, proc, pad_id))
         control.save(done, last_step=done == steps)

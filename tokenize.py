@@ -28,7 +28,7 @@ else:
 
     from minilm_az import outputs, shards
     from minilm_az import tokenizer as tk
-    from minilm_az.config import TOKENIZE_CONFIGS, check_argv
+    from minilm_az.config import TOKENIZE_CONFIGS
     from minilm_az.launch.flags import HelpFormatter, Parser, add_dataclass_args, parse_config
     from minilm_az.logs import format_line
     from minilm_az.outputs import atomic_write_json, claim, inside, staged_output
@@ -253,7 +253,6 @@ def parse_args(argv: list[str] | None = None):
     if not argv or argv[0] not in COMMANDS:
         p.parse_args(argv)  # prints usage and exits
     try:  # an empty value, a flag that does nothing here: one line naming the flag (config.check_values)
-        check_argv(TOKENIZE_CONFIGS[argv[0]], argv[1:])
         cfg = parse_config(TOKENIZE_CONFIGS[argv[0]], p, argv)
     except ValueError as e:
         p.error(f"{argv[0]}: {e}")

@@ -23,7 +23,7 @@ import torch
 
 from minilm_az import bpb, checkpoint, parallel, shards
 from minilm_az import tokenizer as tk
-from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan, check_argv
+from minilm_az.config import PHASE_1, PHASE_2, TrainConfig, TrainPlan
 from minilm_az.data import BatchStream
 from minilm_az.hf import load_weights_into, model_fingerprint, read_config, read_tensor, save_pretrained
 from minilm_az.kernels import select_ops
@@ -199,10 +199,8 @@ def load_inputs(plan: TrainPlan, proc: parallel.Process):
     tok = tk.load_tokenizer(need_dir(flags.tokenizer, "--tokenizer", "our tokenizer directory, from tokenize.py train"))
     index = load_index(need_dir(flags.data, "--data", "token shards, from tokenize.py encode"))
     check_tokenizer(index, tk.tokenizer_hash(flags.tokenizer), tok.get_vocab_size(with_added_tokens=True))
-    train = TokenStream(flags.data, "train")
-    stream = BatchStream(
-        train, plan.seq_len, flags.global_batch, plan.micro_batch, proc.rank, proc.world_size, flags.seed
-    )
+    sizes = (plan.seq_len, flags.global_batch, plan.micro_batch, proc.rank, proc.world_size, flags.seed)
+    stream = BatchStream(TokenStream(flags.data, "train"), *sizes)
     return tok, stream, (eval_tokens(plan, tok), tk.token_byte_lengths(tok))
 
 
@@ -240,7 +238,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     else:
         log.log("eval", step=0, **evaluate(model, *val, plan, proc, log, 0))
-    meter = Progress(plan.steps, start, every=flags.log_every)
+    meter = Progress(plan.steps, start, every=flags.log_every, device=proc.device.type, note=log.info)
     for step in range(start, plan.steps):
         started = time.perf_counter()
         loss, grad_norm = train_step(model, optimizer, stream, step, params, plan, proc)
@@ -257,8 +255,6 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
             log.log(
                 "train", step=done, loss=stats["loss"], lr=lr, grad_norm=round(grad_norm, 4), **speed, eta=stats["eta"]
             )
-            if note := meter.long_plan(done, proc.device.type):
-                log.info(note)
         if (flags.eval_every and done % flags.eval_every == 0) or done == plan.steps:
             log.log("eval", step=done, **evaluate(model, *val, plan, proc, log, done))
         control.save(done, last_step=done == plan.steps)
@@ -279,7 +275,6 @@ def export(model, plan: TrainPlan, tok, proc: parallel.Process, log: MetricLogge
 
 
 def main(argv: list[str] | None = None) -> None:
-    check_argv(TrainConfig, sys.argv[1:] if argv is None else argv)  # `--steps ""` is not the default
     flags = parse_config(TrainConfig, make_parser(TrainConfig, "train.py", __doc__), argv)
     proc = parallel.setup(flags.device)
     try:

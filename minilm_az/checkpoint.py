@@ -35,7 +35,7 @@ from safetensors.torch import load, save, save_file
 from minilm_az import outputs, s3
 from minilm_az.logs import MetricLogger
 from minilm_az.outputs import atomic_write_json, file_sha256, read_json
-from minilm_az.parallel import Process, agree, all_reduce_sum
+from minilm_az.parallel import Process, agree, all_reduce_sum, env_number
 
 
 class CheckpointError(ValueError):
@@ -230,7 +230,7 @@ class Checkpointer:
 
     def __init__(self, ckpt_dir: str, proc: Process, keep: int = 2, async_save: bool = True):
         self.ckpt_dir, self.proc, self.keep, self.async_save = ckpt_dir, proc, keep, async_save
-        self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the processes that share this host's disk
+        self.local_ranks = env_number("LOCAL_WORLD_SIZE", 1, lo=1)  # the processes that share this host's disk
         self.kept: list[str] = []  # complete checkpoints of this run (the one resumed, then the saved), oldest first
         self._pending = None  # (step, name, future or None)
         self._group = self._writer = None
@@ -702,7 +702,9 @@ def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, pro
     """The writer rank takes --out for this run and locks its checkpoint dir (outputs.claim's rule; the locks are
     held until the process ends), then the log's file opens. Collective. Returns whether this run starts fresh."""
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
-    flag, logs = "--checkpoint-dir", ("metrics.jsonl", "tensorboard")
+    # A checkpoint dir the user did not name lies under --out: errors about it name the flag the user gave.
+    flag = "--checkpoint-dir" if getattr(flags, "checkpoint_dir", None) else "--out"
+    logs = ("metrics.jsonl", "tensorboard")
 
     on_s3 = s3.is_s3(ckpt_dir)
 
@@ -977,22 +979,3 @@ def _check_state(path: str, saved: dict, must_match: dict, may_change: dict) -> 
 
 def read_train_state(path: str) -> dict:
     return read_json(os.path.join(path, "train_state.json"), CheckpointError)  # its manifest vouched for it
-
-
-# ---------------------------------------------------------------- identities (what a resume must agree on)
-
-
-def model_fingerprint(model_dir: str | None) -> str | None:
-    """A cheap identity of a HF model dir: config.json, and each weight file's size, first and last MiB."""
-    if not model_dir:
-        return None
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(model_dir)):
-        if name == "config.json" or name.endswith(".safetensors"):
-            path = os.path.join(model_dir, name)
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                h.update(f"{name}:{size}".encode() + f.read(1 << 20))
-                f.seek(max(0, size - (1 << 20)))
-                h.update(f.read())
-    return h.hexdigest()

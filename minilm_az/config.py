@@ -54,17 +54,6 @@ def check_values(cfg) -> None:
             )
 
 
-def check_argv(cls, argv: list[str]) -> None:
-    """Raise ValueError for `--flag ""` or `--flag=` in argv, for any flag of `cls`: the parser reads an empty value
-    of an optional number as "use the default", which the user never asked for."""
-    names = {_flag(f.name) for f in fields(cls)}
-    for i, word in enumerate(argv):
-        key, eq, value = word.partition("=")
-        empty = (eq and value == "") or (not eq and word in names and i + 1 < len(argv) and argv[i + 1] == "")
-        if key in names and empty:
-            raise ValueError(f"{key} is empty; give a value, or leave the flag out for its default")
-
-
 # ---------------------------------------------------------------- train.py and finetune.py
 
 

@@ -49,8 +49,9 @@ class Progress:
     """Decides when a training loop prints its line: after the first step, every `every` steps, at the
     last step, and at least every `seconds`. `flush` gives the window's mean values, steps/s and the ETA."""
 
-    def __init__(self, total: int, start: int = 0, every: int = 10, seconds: float = 30.0):
+    def __init__(self, total: int, start: int = 0, every: int = 10, seconds: float = 30.0, device="cpu", note=None):
         self.total, self.start, self.every, self.seconds = total, start, every, seconds
+        self.device, self.note = device, note  # where the loop runs; where long_plan's line goes (flush calls it)
         self.busy = 0.0  # seconds spent in steps since `start`, for the ETA
         self.window = 0.0  # the same, since the last flush
         self.steps = 0  # steps since the last flush
@@ -77,6 +78,8 @@ class Progress:
         out["eta"] = eta(done - self.start, self.total - self.start, self.busy)
         self.step_s = self.window / max(self.steps, 1)
         self.window, self.steps, self.sums, self.last = 0.0, 0, {}, time.monotonic()
+        if self.note and (line := self.long_plan(done, self.device)):
+            self.note(line)
         return out
 
     # A plan whose measured steps put its end further out than this is more likely sizes meant for other hardware
@@ -169,8 +172,13 @@ class MetricLogger:
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
             self.file = open(self.jsonl, "a", encoding="utf-8")
         if self.file is not None:
-            self.file.write(record)
-            self.file.flush()
+            try:
+                self.file.write(record)
+                self.file.flush()
+            except OSError as e:  # a full disk, say: the path and the free space, not a traceback from the loop
+                from minilm_az.outputs import write_error  # outputs imports nothing from here; kept local anyway
+
+                raise write_error(self.jsonl, e) from None
 
     def log(self, stream: str, **metrics: Any) -> None:
         if not self.enabled:

@@ -40,8 +40,12 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # the AWS environment, the write probe; S3Checkpointer: the commit, resume from an agreed listing, prune after
     # a newer commit) and made "nothing to resume" and a shared local dir decided from every rank's view: +475
     # lines in checkpoint.py and s3.py. The local manifests and staging dirs that S3 and the shared-dir refusal
-    # make redundant are still there; retiring them is the next trim. Grow it only with a reason written here.
-    assert sum(lines.values()) <= 4875, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    # make redundant are still there; retiring them is the next trim. Issue 38 knew inputs by content (every byte
+    # of a base model and of the shards hashed on every core, ids checked as batches are read), checked each value
+    # and environment variable where it enters, described what a path is when it is not what a flag wants, and
+    # recorded the files a run writes so cleanup removes only those: +276 lines. Grow it only with a reason
+    # written here.
+    assert sum(lines.values()) <= 5151, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"

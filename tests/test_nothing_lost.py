@@ -193,6 +193,12 @@ def check_user_file_stays(r):
         assert f.read() == "mine\n"
 
 
+def check_own_out_under_sagemaker(r):
+    new = os.path.join(r.paths["W"], "new")
+    assert os.listdir(os.path.join(new, "checkpoints", "phase2")), "the checkpoints did not go beside --out"
+    assert [n for n in os.listdir(os.path.join(new, "tensorboard")) if n.startswith("events.")], "no events in --out"
+
+
 def check_twin_resumed(r):
     assert "resume from=" in r.stdout, r.stdout[-2000:]
 
@@ -278,7 +284,7 @@ ROWS = [
     ),
     # 5. every value checked where it enters, named
     Row("f5_out_empty", f'{TR} --out ""', "--out is empty", absent=("runs/phase2/minilm-az-output.json",)),
-    Row("f5_steps_empty", f'{TR} --steps "" {NEW}', "--steps is empty"),
+    Row("f5_steps_empty", f'{TR} --steps "" {NEW}', "argument --steps: is empty"),
     Row("f5_lora_alpha_0", f"{FT} --lora-alpha 0 {NEW}", "--lora-alpha"),
     Row("f5_seed_negative", f"{FT} --seed -1 {NEW}", "--seed"),
     Row("f5_adapter_on_a_training_run", f"{FT} --adapter {{A}} {NEW}", "--adapter does nothing without --chat"),
@@ -300,6 +306,16 @@ ROWS = [
         f"python train.py --eval-only --base-model {{M}} --tokenizer {{M}} --eval-text {KDE} --tensorboard",
         "--tensorboard with --eval-only needs --out",
         absent=("runs/phase2/tensorboard",),
+    ),
+    # 6. SageMaker's variables never override a path the user gave
+    Row(
+        "f6_sm_env_explicit_out_keeps_checkpoints_and_events",
+        f"{TR} --steps 2 --checkpoint-every 1 --tensorboard {NEW}",
+        code=0,
+        env={"SM_TRAINING_ENV": "{}", "SM_MODEL_DIR": "/opt/ml/model"},
+        changes=("{W}/new",),
+        absent=("/opt/ml/checkpoints", "/opt/ml/output/tensorboard"),
+        check=check_own_out_under_sagemaker,
     ),
     # 8. errors say what was found
     Row("f8_out_dangling_link", f"{TR} --out {{X}}", "a symlink to", prep=out_dangling_link, absent=("{W}/nowhere",)),

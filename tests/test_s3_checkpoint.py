@@ -35,8 +35,10 @@ STEPS = 6
 # A save every step, in the background; one val micro-batch an evaluation (it changes neither model nor RNG).
 ARGV = [*TRAIN[1:6], str(STEPS), *TRAIN[7:], "--eval-batches", "1", "--checkpoint-every", "1"]
 REFERENCE = [*ARGV[:-2], "--checkpoint-every", "0"]  # no checkpoint before its end
-# Kills of both hosts at random moments. 20 is the count; MINILM_AZ_S3_KILLS raises it for a longer run.
-KILLS = int(os.environ.get("MINILM_AZ_S3_KILLS", 20))
+# Kills of both hosts at random moments. The suite runs 12 here and 8 more through the container replay
+# (tests/test_spot_restarts.py), 20 in all, the count, within CI's budget; MINILM_AZ_S3_KILLS=20 runs
+# the count on this path alone (~210 s on 2 cores).
+KILLS = int(os.environ.get("MINILM_AZ_S3_KILLS", 12))
 SEED = 20270101
 COMMIT = "commit.json"
 

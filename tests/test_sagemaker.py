@@ -559,7 +559,7 @@ TOKENIZE = ["tokenize", "encode", *AWS_FLAGS, "--corpus", "s3://corp/text/", "--
         (TRAIN + ["--eval-text", "/home/me/val.txt"], "--eval-text", "/home/me/val.txt"),
         (TRAIN + ["--eval-text", "s3://corp/val.txt"], "--eval-text", "s3://corp/val.txt"),
         (TRAIN + ["--eval-text", "/opt/ml/input/data/eval/val.txt"], "--eval-text", "channel 'eval'"),
-        (FINETUNE + ["--adapter", "./runs/sft"], "--adapter", "./runs/sft"),
+        (FINETUNE + ["--adapter", "./runs/sft"], "finetune.py", "--adapter does nothing without --chat or --prompt"),
     ],
 )
 def test_what_the_cloud_would_refuse_is_refused_before_anything_is_sent(
@@ -658,7 +658,7 @@ def test_an_sdk_or_botocore_validation_error_is_printed_whole_on_one_line(
         TRAIN + ["--instance-type", "ml.g6e.12xlarge", "--max-run-hours", "0.5", "--spot", "--max-wait-hours", "1"],
         TRAIN + ["--instance-type", "ml.r8i-flex.large", "--no-torchrun"],  # a real family the table lacks
         TRAIN + ["--env", "NCCL_DEBUG=WARN", "--env", "_X1=", "--eval-text", "/opt/ml/input/data/data/val.txt"],
-        FINETUNE + ["--system", "Sən köməkçisən / assistant.", "--targets", "q_proj,v_proj"],
+        FINETUNE + ["--lora-alpha", "28", "--targets", "q_proj,v_proj"],
     ],
 )
 def test_the_launchers_defaults_and_valid_values_pass_the_checks(argv):

@@ -24,11 +24,15 @@ def in_sagemaker() -> bool:
 
 
 def tensorboard_dir(on: bool, out: str) -> str | None:
-    """Where --tensorboard writes event files (None: it is off): OUT/tensorboard, or in a SageMaker job the dir its
-    TensorBoardOutputConfig syncs to S3 (the launcher's --tensorboard sets one up)."""
+    """Where --tensorboard writes event files (None: it is off): OUT/tensorboard, or, when OUT is a SageMaker job's
+    model dir, the dir its TensorBoardOutputConfig syncs to S3 (the launcher's --tensorboard sets one up). An
+    --out of the user's own keeps its events beside it even where SageMaker's variables are set."""
     if not on:
         return None
-    return CONTAINER_TENSORBOARD if in_sagemaker() else os.path.join(out, "tensorboard")
+    job_out = in_sagemaker() and os.path.realpath(out) == os.path.realpath(
+        os.environ.get("SM_MODEL_DIR", CONTAINER_MODEL)
+    )
+    return CONTAINER_TENSORBOARD if job_out else os.path.join(out, "tensorboard")
 
 
 def flag(name: str) -> str:
@@ -47,8 +51,12 @@ def str2bool(v: str | bool) -> bool:
 
 
 def _none_or(t):
+    # "none" is how SageMaker's hyperparameters say "not set"; an empty value is a mistake (`--steps ""` from an
+    # unset shell variable), never a request for the default.
     def parse(v: str):
-        return None if str(v).lower() in ("none", "null", "") else t(v)
+        if str(v).strip() == "":
+            raise argparse.ArgumentTypeError("is empty; give a value, or leave the flag out for its default")
+        return None if str(v).lower() in ("none", "null") else t(v)
 
     parse.__name__ = t.__name__
     return parse
@@ -148,8 +156,13 @@ def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
 def sm_defaults(cfg) -> None:
     """Values not given on the command line, as a container sets them: paths from SM_CHANNEL_<CHANNEL> and
     SM_MODEL_DIR, and fields whose metadata holds a `sagemaker` default of their own."""
+    # An --out the user gave (not the job's model dir) keeps its checkpoints beside it, as outside SageMaker.
+    outs = [getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("container") == CONTAINER_MODEL]
+    own_out = any(o not in (None, "", os.environ.get("SM_MODEL_DIR"), CONTAINER_MODEL) for o in outs)
     for f in dataclasses.fields(cfg):
         if getattr(cfg, f.name) not in (None, f.default):
+            continue
+        if own_out and f.metadata.get("container") == CONTAINER_CHECKPOINTS:
             continue
         ch = f.metadata.get("channel")
         value = os.environ.get(f"SM_CHANNEL_{ch.upper()}") if ch else None
