@@ -18,7 +18,10 @@ Rows that must succeed (`code=0`) assert no error line, no traceback and their o
 Fixtures are tiny (a 400-id tokenizer on kde.txt, a 2-step `--preset tiny` model, a 1-step rank-2 adapter)
 and built once per module; the rows' commands then run in parallel in one module fixture (`results`), and
 each parametrized test only checks its own row's outcome, so a failure names its row. Running a subset
-(`-k resume`) runs only those rows' commands.
+(`-k resume`) runs only those rows' commands. The `python X.py` commands (rows and fixtures) run in forks of
+one interpreter that imported torch once (tests/prefork.py): each is still its own process with its own argv,
+environment, exit code, stdout and stderr, without paying `import torch` again; torchrun, `-m` and the
+read-only rows run as plain subprocesses.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from prefork import Prefork
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")
@@ -1035,7 +1039,7 @@ def _readonly_unshare_works() -> bool:
 RO_SCRIPT = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" || exit 97'
 
 
-def run_row(row: Row, fx: dict, base: str, can_unshare: bool) -> Result:
+def run_row(row: Row, fx: dict, base: str, can_unshare: bool, runner: Prefork) -> Result:
     w = os.path.join(base, row.id)
     os.makedirs(w)
     paths = {**fx, "W": w}
@@ -1075,16 +1079,7 @@ def run_row(row: Row, fx: dict, base: str, can_unshare: bool) -> Result:
         )
     t0 = time.monotonic()
     try:
-        p = subprocess.run(
-            argv,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=ROW_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
+        p = runner.run(argv, ROOT, env, ROW_TIMEOUT)
         r.rc, r.stdout, r.stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         r.rc, r.stdout, r.stderr = None, str(e.stdout or ""), f"{e.stderr or ''}\n(timed out after {ROW_TIMEOUT} s)"
@@ -1099,20 +1094,28 @@ def run_row(row: Row, fx: dict, base: str, can_unshare: bool) -> Result:
 # ---------------------------------------------------------------- fixtures
 
 
-def _run(cmd: str, **fmt) -> None:
+def _run(runner: Prefork, cmd: str, **fmt) -> None:
     argv = _argv(cmd.format(**fmt))
-    p = subprocess.run(argv, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=ROW_TIMEOUT)
+    p = runner.run(argv, ROOT, _clean_env(), ROW_TIMEOUT)
     assert p.returncode == 0, f"fixture failed: {shlex.join(argv)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
 
 
-def _parallel(*cmds: tuple[str, dict]) -> None:
+def _parallel(runner: Prefork, *cmds: tuple[str, dict]) -> None:
     with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
-        for f in [pool.submit(_run, c, **kw) for c, kw in cmds]:
+        for f in [pool.submit(_run, runner, c, **kw) for c, kw in cmds]:
             f.result()
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory) -> dict:
+def runner():
+    """What runs the commands: `python X.py` in a fork of a server that imported torch (tests/prefork.py)."""
+    server = Prefork(_clean_env())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory, runner) -> dict:
     """T (400 ids, kde), T2 (300 ids, django): two tokenizers; S, S2 shards of T (kde / django), SO of T2;
     M: the base model (T); MO: a model of T2; A: an adapter on M; RUN: a run from M checkpointed every step."""
     t0 = time.monotonic()
@@ -1120,16 +1123,22 @@ def fx(tmp_path_factory) -> dict:
     p = {k: os.path.join(d, k) for k in ("T", "T2", "S", "S2", "SO", "M", "MO", "A", "RUN")}
     p["CHAT"] = CHAT
     tok = "python tokenize.py train --no-progress --vocab-size {n} --corpus {corpus} --out {out}"
-    _parallel((tok, dict(n=400, corpus=KDE, out=p["T"])), (tok, dict(n=300, corpus=DJANGO, out=p["T2"])))
+    _parallel(runner, (tok, dict(n=400, corpus=KDE, out=p["T"])), (tok, dict(n=300, corpus=DJANGO, out=p["T2"])))
     enc = "python tokenize.py encode --no-progress --tokenizer {tok} --corpus {corpus} --val-fraction 0.05 --out {out}"
     _parallel(
+        runner,
         (enc, dict(tok=p["T"], corpus=KDE, out=p["S"])),
         (enc, dict(tok=p["T"], corpus=DJANGO, out=p["S2"])),
         (enc, dict(tok=p["T2"], corpus=DJANGO, out=p["SO"])),
     )
     model = f"python train.py --phase 2 --preset tiny --tokenizer {{tok}} --data {{data}} {SMALL} --out {{out}}"
-    _parallel((model, dict(tok=p["T"], data=p["S"], out=p["M"])), (model, dict(tok=p["T2"], data=p["SO"], out=p["MO"])))
     _parallel(
+        runner,
+        (model, dict(tok=p["T"], data=p["S"], out=p["M"])),
+        (model, dict(tok=p["T2"], data=p["SO"], out=p["MO"])),
+    )
+    _parallel(
+        runner,
         (f"python finetune.py --model {{M}} --data {{CHAT}} {SMALL_FT} --out {{A}}", p),
         (
             f"python train.py --phase 2 --base-model {{M}} --tokenizer {{T}} --data {{S}} {SMALL} "
@@ -1144,15 +1153,16 @@ def fx(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def startup() -> float:
-    """Seconds `python train.py --help` takes here: what "returns before any work" is measured against."""
+def startup(runner) -> float:
+    """Seconds `python train.py --help` takes here, started as the rows are: what "returns before any work" is
+    measured against."""
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=_clean_env(), capture_output=True, timeout=60)
+    runner.run([sys.executable, "train.py", "--help"], ROOT, _clean_env(), 60)
     return time.monotonic() - t0
 
 
 @pytest.fixture(scope="module")
-def results(request, fx, tmp_path_factory) -> dict[str, Result]:
+def results(request, fx, tmp_path_factory, runner) -> dict[str, Result]:
     """Every selected row's command, run in parallel once; each test then checks its own."""
     wanted = {
         item.callspec.params["row"].id
@@ -1165,7 +1175,7 @@ def results(request, fx, tmp_path_factory) -> dict[str, Result]:
     # the slowest first (two ranks each), so they do not end up last on their own
     rows.sort(key=lambda r: not r.cmd.startswith("torchrun"))
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
-        futures = {r.id: pool.submit(run_row, r, fx, base, can_unshare) for r in rows}
+        futures = {r.id: pool.submit(run_row, r, fx, base, can_unshare, runner) for r in rows}
         out = {k: f.result() for k, f in futures.items()}
     print("row seconds:", ", ".join(f"{k} {r.seconds:.1f}" for k, r in out.items()))  # shown with -s
     return out

@@ -1,0 +1,230 @@
+"""Run `python SCRIPT ARGS...` as a fresh interpreter would, in a fork of one that imported torch once.
+
+A command's own process, exit code, stdout and stderr are what `subprocess.run` gives, while the ~1.3 s of CPU
+that `import torch` costs each new interpreter is paid once: tests that run dozens of short commands of the root
+scripts (tests/test_bad_inputs.py's rows) spend most of their time there otherwise.
+
+The server (this file, run as a script with the environment the commands get) imports what the root scripts
+import at their top, then forks one child per request; the child takes the request's directory, environment,
+argv, sys.path[0] and file descriptors 0-2, and runs the script as `__main__` with runpy, so that its exit (an
+exit code, an uncaught exception's traceback, a signal) is that of `python SCRIPT`. Only plain `python X.py`
+commands go this way; `-m`, torchrun and anything else run as subprocesses (`Prefork.run` says which it did).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("tokenize.py", "train.py", "finetune.py")
+
+
+def top_level_imports() -> list[str]:
+    """The modules the root scripts import at their top (the scripts change; their imports are read, not listed)."""
+    names = ["numpy", "torch"]
+    for script in SCRIPTS:
+        with open(os.path.join(ROOT, script), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+                names.append(node.module)
+                names += [f"{node.module}.{a.name}" for a in node.names]  # `from pkg import module`
+    return list(dict.fromkeys(names))
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# ---------------------------------------------------------------- the server (the process that forks)
+
+
+def child(req: dict, server_fds: tuple[int, ...]) -> None:
+    """In the fork: become `python SCRIPT ARGS` and run it; an exit or an exception ends the interpreter as usual."""
+    signal.set_wakeup_fd(-1)
+    for fd in server_fds:  # the server's pipes: a command must not hold them open
+        os.close(fd)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    for fd, path, mode in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, req["stdout"], os.O_WRONLY),
+        (2, req["stderr"], os.O_WRONLY),
+    ):
+        new = os.open(path, mode)
+        os.dup2(new, fd)
+        os.close(new)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    script, *args = req["argv"]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+def serve() -> None:
+    for name in top_level_imports():
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a name imported from a module (a function), or a module the script brings itself
+    gc.freeze()  # the children's collections leave these objects (and their pages) alone: no copy on write
+    ready = {"ready": os_threads() == 1, "threads": os_threads()}  # fork copies one thread: there must be one
+    out_fd = os.dup(1)
+    out = os.fdopen(out_fd, "w", buffering=1, closefd=False)
+    out.write(json.dumps(ready) + "\n")
+    if not ready["ready"]:
+        return
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    pending = b""
+    while True:
+        try:
+            readable, _, _ = select.select([0, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                out.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+        if 0 in readable:
+            data = os.read(0, 65536)
+            if not data:
+                return
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                req = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    child(req, (out_fd, wake_r, wake_w))
+                    sys.exit(0)
+                out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
+
+
+# ---------------------------------------------------------------- the client (the test process)
+
+
+@dataclasses.dataclass
+class _Job:
+    event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    pid: int | None = None
+    code: int | None = None
+
+
+class Prefork:
+    """`run(argv, cwd, env, timeout)` -> subprocess.CompletedProcess, thread-safe; `env` must be the one the server
+    was started with (imports read some variables, OMP_NUM_THREADS among them), else the command runs as a
+    subprocess. `close()` ends the server."""
+
+    def __init__(self, env: dict):
+        self.env = dict(env)
+        self.lock = threading.Lock()
+        self.jobs: dict[int, _Job] = {}
+        self.by_pid: dict[int, _Job] = {}
+        self.early: dict[int, int] = {}  # pid -> code, for an exit read before its pid was
+        self.next_id = 0
+        self.server = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            cwd=ROOT,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = json.loads(self.server.stdout.readline() or '{"ready": false}')
+        self.ready = hello["ready"]
+        if self.ready:
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.server.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                if "id" in msg:
+                    job = self.jobs.pop(msg["id"])
+                    job.pid = msg["pid"]
+                    if job.pid in self.early:
+                        job.code = self.early.pop(job.pid)
+                        job.event.set()
+                    else:
+                        self.by_pid[job.pid] = job
+                elif msg["pid"] in self.by_pid:
+                    job = self.by_pid.pop(msg["pid"])
+                    job.code = msg["code"]
+                    job.event.set()
+                else:
+                    self.early[msg["pid"]] = msg["code"]
+
+    def forks(self, argv: list[str], env: dict) -> bool:
+        """Whether `argv` runs as a fork: `python X.py ...` with the server's environment."""
+        return (
+            self.ready
+            and len(argv) > 1
+            and argv[0] == sys.executable
+            and argv[1].endswith(".py")
+            and not argv[1].startswith("-")
+            and env == self.env
+        )
+
+    def run(self, argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        if not self.forks(argv, env):
+            return subprocess.run(
+                argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="prefork-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            for p in (out, err):
+                open(p, "w").close()
+            job = _Job()
+            with self.lock:
+                self.next_id += 1
+                self.jobs[self.next_id] = job
+                req = dict(id=self.next_id, argv=argv[1:], cwd=cwd, env=env, stdout=out, stderr=err)
+                self.server.stdin.write(json.dumps(req) + "\n")
+                self.server.stdin.flush()
+            timed_out = not job.event.wait(timeout)
+            if timed_out and job.pid is not None:
+                os.kill(job.pid, signal.SIGKILL)
+                job.event.wait(30)
+
+            def read(p):
+                with open(p, encoding="utf-8", errors="replace") as f:
+                    return f.read()
+
+            if timed_out:
+                raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
+            return subprocess.CompletedProcess(argv, job.code, read(out), read(err))
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    serve()
