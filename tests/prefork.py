@@ -19,6 +19,7 @@ import gc
 import importlib
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -79,13 +80,15 @@ def child(req: dict, server_fds: tuple[int, ...]) -> None:
 
 
 def serve() -> None:
+    sys.path[0] = ROOT  # as for `python ROOT/X.py`: minilm_az from this checkout
     for name in top_level_imports():
         try:
             importlib.import_module(name)
         except ImportError:
             pass  # a name imported from a module (a function), or a module the script brings itself
     gc.freeze()  # the children's collections leave these objects (and their pages) alone: no copy on write
-    ready = {"ready": os_threads() == 1, "threads": os_threads()}  # fork copies one thread: there must be one
+    own = resource.getrusage(resource.RUSAGE_SELF)  # fork copies one thread: there must be only one
+    ready = {"ready": os_threads() == 1, "threads": os_threads(), "cpu": own.ru_utime + own.ru_stime}
     out_fd = os.dup(1)
     out = os.fdopen(out_fd, "w", buffering=1, closefd=False)
     out.write(json.dumps(ready) + "\n")
@@ -105,12 +108,13 @@ def serve() -> None:
             os.read(wake_r, 4096)
             while True:
                 try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    pid, status, usage = os.wait4(-1, os.WNOHANG)
                 except ChildProcessError:
                     break
                 if pid == 0:
                     break
-                out.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+                cpu = usage.ru_utime + usage.ru_stime  # the command's and its children's
+                out.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status), "cpu": cpu}) + "\n")
         if 0 in readable:
             data = os.read(0, 65536)
             if not data:
@@ -127,6 +131,33 @@ def serve() -> None:
 
 
 # ---------------------------------------------------------------- the client (the test process)
+
+
+def root_script(argv: list[str], cwd: str) -> bool:
+    """`python X.py ...`, X.py a root script of this checkout: the modules it imports are this checkout's, as the
+    server's are (a copy of the checkout elsewhere would import its own: that runs as a subprocess)."""
+    return (
+        len(argv) > 1
+        and argv[0] == sys.executable
+        and os.path.basename(argv[1]) in SCRIPTS
+        and os.path.dirname(os.path.abspath(os.path.join(cwd, argv[1]))) == ROOT
+    )
+
+
+_CPU = [0.0]  # CPU seconds of the servers' imports and of the commands that ended, as the servers report them
+_CPU_LOCK = threading.Lock()
+
+
+def cpu_seconds() -> float:
+    """user + sys of the forked commands that ended and of the servers' start, in this process: a server's
+    children count in RUSAGE_CHILDREN only once the server ends."""
+    with _CPU_LOCK:
+        return _CPU[0]
+
+
+def _add_cpu(seconds: float) -> None:
+    with _CPU_LOCK:
+        _CPU[0] += seconds
 
 
 @dataclasses.dataclass
@@ -158,12 +189,14 @@ class Prefork:
         )
         hello = json.loads(self.server.stdout.readline() or '{"ready": false}')
         self.ready = hello["ready"]
+        _add_cpu(hello.get("cpu", 0.0))
         if self.ready:
             threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.server.stdout:
             msg = json.loads(line)
+            _add_cpu(msg.get("cpu", 0.0))
             with self.lock:
                 if "id" in msg:
                     job = self.jobs.pop(msg["id"])
@@ -180,19 +213,12 @@ class Prefork:
                 else:
                     self.early[msg["pid"]] = msg["code"]
 
-    def forks(self, argv: list[str], env: dict) -> bool:
-        """Whether `argv` runs as a fork: `python X.py ...` with the server's environment."""
-        return (
-            self.ready
-            and len(argv) > 1
-            and argv[0] == sys.executable
-            and argv[1].endswith(".py")
-            and not argv[1].startswith("-")
-            and env == self.env
-        )
+    def forks(self, argv: list[str], cwd: str, env: dict) -> bool:
+        """Whether `argv` runs as a fork: a root script's command with the server's environment."""
+        return self.ready and env == self.env and root_script(argv, cwd)
 
     def run(self, argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        if not self.forks(argv, env):
+        if not self.forks(argv, cwd, env):
             return subprocess.run(
                 argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
                 stdin=subprocess.DEVNULL,
@@ -224,6 +250,33 @@ class Prefork:
     def close(self) -> None:
         self.server.stdin.close()
         self.server.wait(timeout=30)
+
+
+_SERVERS: dict[tuple, Prefork] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def run(argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Prefork.run through one server per environment, started on first use and shared by every test of this
+    process (the conftest ends them with the session)."""
+    if not root_script(argv, cwd):
+        return subprocess.run(
+            argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    key = tuple(sorted(env.items()))
+    with _SERVERS_LOCK:
+        if key not in _SERVERS:
+            _SERVERS[key] = Prefork(env)
+        server = _SERVERS[key]
+    return server.run(argv, cwd, env, timeout)
+
+
+def close_all() -> None:
+    with _SERVERS_LOCK:
+        for server in _SERVERS.values():
+            server.close()
+        _SERVERS.clear()
 
 
 if __name__ == "__main__":

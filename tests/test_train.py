@@ -2,9 +2,12 @@
 resume after SIGKILL / SIGTERM repeats the uninterrupted run, the export loads in transformers, BPB
 eval-only, and the one-line errors (exit 2) for bad input.
 
-One uninterrupted reference run serves several tests; the error cases run side by side.
+One uninterrupted reference run serves several tests; the error cases run side by side. A run of one process that
+is not signalled runs in a fork of an interpreter that imported torch once (tests/prefork.py): its own process,
+argv, environment, exit code and output all the same.
 """
 
+import concurrent.futures
 import json
 import math
 import os
@@ -16,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import prefork
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -98,8 +102,16 @@ def finish(p: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def run_one(*args, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` run to its end (no signal to send it): a fork of tests/prefork.py's server."""
+    try:
+        return prefork.run(cmd(*args), str(ROOT), ENV, timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"train.py hung for {timeout}s\n{(e.stdout or '')[-2000:]}\n{(e.stderr or '')[-2000:]}")
+
+
 def train(*args, nproc: int = 1) -> subprocess.CompletedProcess:
-    r = finish(launch(*args, nproc=nproc))
+    r = run_one(*args) if nproc == 1 else finish(launch(*args, nproc=nproc))
     assert r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
@@ -382,26 +394,20 @@ def test_eval_only_on_raw_text_prints_val_bpb(reference, hf_reference, tmp_path)
     docs = ["Bakı Azərbaycanın paytaxtı və ən böyük şəhəridir.", "Faylı yadda saxlamaq üçün düyməni basın."]
     text = tmp_path / "eval.txt"
     text.write_text("\n".join(docs) + "\n", encoding="utf-8")
-    r = subprocess.run(
-        cmd(
-            "--eval-only",
-            "--base-model",
-            reference,
-            "--tokenizer",
-            reference,
-            "--eval-text",
-            text,
-            "--seq-len",
-            256,
-            "--micro-batch",
-            1,
-            "--out",
-            tmp_path / "eval",
-        ),
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
+    r = run_one(
+        "--eval-only",
+        "--base-model",
+        reference,
+        "--tokenizer",
+        reference,
+        "--eval-text",
+        text,
+        "--seq-len",
+        256,
+        "--micro-batch",
+        1,
+        "--out",
+        tmp_path / "eval",
         timeout=120,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -467,8 +473,9 @@ def bad_cases(d: Path, tmp: Path) -> dict[str, tuple[list, str]]:
 def bad_runs(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     cases = bad_cases(data, tmp)
-    procs = {name: launch(*args, "--out", tmp / name) for name, (args, _) in cases.items()}  # side by side
-    return tmp, {name: (finish(p), cases[name][1]) for name, p in procs.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # side by side
+        runs = {name: pool.submit(run_one, *args, "--out", tmp / name) for name, (args, _) in cases.items()}
+        return tmp, {name: (runs[name].result(), cases[name][1]) for name in cases}
 
 
 @pytest.mark.parametrize(
