@@ -31,7 +31,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
-from minilm_az.outputs import check_finished, check_not_input
+from minilm_az.outputs import check_finished, check_not_input, describe
 from minilm_az.prep import readers
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
@@ -81,8 +81,8 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
 
 def need_dir(path: str | None, flag: str, what: str) -> str:
     if not path or not os.path.isdir(path):
-        found = "a file, where a directory belongs" if path and os.path.isfile(path) else "no such directory"
-        raise UsageError(f"{flag} {path}: {found} ({what})" if path else f"{flag} is required ({what})")
+        it = f"{describe(path)}, where a directory belongs" if path and os.path.lexists(path) else "no such directory"
+        raise UsageError(f"{flag} {path}: {it} ({what})" if path else f"{flag} is required ({what})")
     return path
 
 

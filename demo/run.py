@@ -528,6 +528,8 @@ def run_demo(
     t_start = time.time()
     run = os.path.abspath(os.path.join(runs_dir, name))
     base_json, base_name = baseline_tokenizer_json(baseline)
+    with open(base_json, "rb") as f:  # read before the rerun's cleanup: it may be the last run's own copy
+        base_bytes = f.read()
     try:  # one demo per run dir at a time: a second one of the same name would remove the first one's files
         lock_dir(run, "--name")
     except (OSError, ValueError) as e:
@@ -535,7 +537,8 @@ def run_demo(
     prepare_run_dir(run)
     base_tok = os.path.join(run, "baseline_tokenizer")
     os.makedirs(base_tok, exist_ok=True)  # a person's file left in it stays beside the copy
-    shutil.copyfile(base_json, os.path.join(base_tok, "tokenizer.json"))
+    with open(os.path.join(base_tok, "tokenizer.json"), "wb") as f:
+        f.write(base_bytes)
     val = write_val_text(run, cfg.val_lines)
     # Every file the demo writes is recorded by name as it is written; a rerun removes exactly these.
     wrote = {MARKER, "baseline_tokenizer/tokenizer.json"} | ({"val.txt"} if cfg.val_lines is not None else set())
@@ -622,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg.procs = args.procs
     if not args.name or args.name in (".", "..") or "/" in args.name:
         p.error(f"--name {args.name!r}: a run name is one plain directory name under --runs-dir")
+    if os.path.lexists(args.runs_dir) and not os.path.isdir(args.runs_dir):
+        from minilm_az.outputs import describe
+
+        p.error(f"--runs-dir {args.runs_dir}: is {describe(args.runs_dir)}, where a directory belongs")
     try:
         run_demo(args.name, cfg, args.runs_dir, args.verbose, args.baseline)
     except KeyboardInterrupt:

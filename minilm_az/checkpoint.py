@@ -793,7 +793,8 @@ class RunControl:
         if self.proc.is_main:
             # A step can take a minute, so say at once that the stop was heard. os.write, not print: a handler that
             # interrupts a print to the same stream would make a reentrant call into its buffer.
-            note = f"stop requested: finishing step {self.step + 1}, then stopping (Ctrl-C again stops at once)\n"
+            # It starts a line of its own even when the signal lands between a line's text and its newline.
+            note = f"\nstop requested: finishing step {self.step + 1}, then stopping (Ctrl-C again stops at once)\n"
             os.write(sys.stdout.fileno(), note.encode())
 
     def agree(self, loss: float, grad_norm: float, step: int) -> float:

@@ -45,13 +45,17 @@ def check_values(cfg) -> None:
     whose metadata says which flags it `needs`). Every config calls it as it is made, from flags or from code."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if value == "" or (isinstance(value, list) and "" in value):
+        blank = lambda v: isinstance(v, str) and v.strip() == ""  # noqa: E731 (spaces only are empty too)
+        if blank(value) or (isinstance(value, list) and any(map(blank, value))):
             raise ValueError(f"{_flag(f.name)} is empty; give a value, or leave the flag out for its default")
-        needs = f.metadata.get("needs", ())
-        if needs and value not in (None, False, f.default) and not any(getattr(cfg, n) for n in needs):
+        given = value not in (None, False, f.default)
+        needs, unused_with = f.metadata.get("needs", ()), f.metadata.get("not_with", ())
+        if given and needs and not any(getattr(cfg, n) for n in needs):
             raise ValueError(
                 f"{_flag(f.name)} does nothing without {' or '.join(map(_flag, needs))}; drop it (it would be ignored)"
             )
+        if given and (used := [n for n in unused_with if getattr(cfg, n, None)]):
+            raise ValueError(f"{_flag(f.name)} does nothing with {_flag(used[0])}; drop it (it would be ignored)")
 
 
 # ---------------------------------------------------------------- train.py and finetune.py
@@ -66,7 +70,10 @@ class LoopFlags:
     TensorBoard event files written from the same records as metrics.jsonl (minilm_az/logs.py)."""
 
     checkpoint_dir: str | None = _f(
-        None, "training checkpoints (default OUT/checkpoints)", container=CONTAINER_CHECKPOINTS
+        None,
+        "training checkpoints (default OUT/checkpoints; s3://BUCKET/PREFIX on S3)",
+        container=CONTAINER_CHECKPOINTS,
+        not_with=("eval_only", "chat", "prompt"),
     )
     resume: str = _f(
         "auto", "auto: continue from the newest complete checkpoint; never: start fresh", choices=("auto", "never")
@@ -79,7 +86,9 @@ class LoopFlags:
         True, "write checkpoints in the background (training waits only for the copy off the GPU)"
     )
     keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
-    overwrite: bool = _f(False, OVERWRITE + "; the same inputs continue their run without it")
+    overwrite: bool = _f(
+        False, OVERWRITE + "; the same inputs continue their run without it", not_with=("chat", "prompt")
+    )
     tensorboard: bool = _f(False, "TensorBoard event files too, in OUT/tensorboard (on SageMaker synced to S3)")
 
     def __post_init__(self) -> None:
@@ -92,19 +101,27 @@ class TrainConfig(LoopFlags):
     preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
     base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
     base_tokenizer: str | None = _f(
-        None, "the base model's tokenizer dir (phase 1: vocabulary transfer)", channel="base_tokenizer"
+        None,
+        "the base model's tokenizer dir (phase 1: vocabulary transfer)",
+        channel="base_tokenizer",
+        needs=("base_model",),
     )
     tokenizer: str | None = _f(None, "our tokenizer dir (tokenize.py train)", channel="tokenizer")
     data: str | None = _f(None, "token shards dir (tokenize.py encode)", channel="data")
     out: str | None = _f(
         None, "final HF-format model and metrics.jsonl (default runs/phaseN)", container=CONTAINER_MODEL
     )
-    steps: int | None = _f(None, f"optimizer steps (default: phase 1 {PHASE_1.steps}, phase 2 {PHASE_2.steps})", lo=1)
+    steps: int | None = _f(
+        None,
+        f"optimizer steps (default: phase 1 {PHASE_1.steps}, phase 2 {PHASE_2.steps})",
+        lo=1,
+        not_with=("eval_only",),
+    )
     lr: float | None = _f(
         None, f"peak learning rate (default: phase 1 {PHASE_1.lr}, phase 2 {PHASE_2.lr})", gt=0.0, hi=1e6
     )
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
-    warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0)
+    warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0, not_with=("eval_only",))
     weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)", lo=0.0)
     beta1: float = _f(0.9, "AdamW beta1", lo=0.0, hi=1.0)
     beta2: float = _f(0.95, "AdamW beta2", lo=0.0, hi=1.0)
@@ -122,7 +139,7 @@ class TrainConfig(LoopFlags):
     eval_only: bool = _f(False, "only evaluate BPB of --base-model with --tokenizer on --eval-text or val split")
     eval_text: list[str] | None = _f(None, "raw text files for BPB (default: the val split's documents)", nargs="+")
     device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
-    seed: int = _f(0, "seed for init and the data order", lo=0)
+    seed: int = _f(0, "seed for init and the data order", lo=0, hi=2**32 - 1)
     liger: bool = _f(True, "Liger fused kernels on CUDA (RMSNorm, RoPE, SwiGLU, fused linear CE)")
     compile: bool = _f(False, "torch.compile each transformer block")
     ac: str = _f("none", "activation checkpointing", choices=("none", "full", "selective"))
@@ -189,13 +206,15 @@ class FinetuneConfig(LoopFlags):
         channel="val_data",
     )
     val_fraction: float = _f(0.05, "held out of --data when there is no val file", lo=0.0, hi=0.5)
-    out: str = _f("runs/finetune", "adapter (and merged/) here", container=CONTAINER_MODEL)
+    out: str = _f("runs/finetune", "adapter (and merged/) here", container=CONTAINER_MODEL, not_with=TRY)
     on_bad_line: str = _f("fail", "malformed JSONL lines", choices=("fail", "skip"))
     last_turn_only: bool = _f(False, "train only the final assistant turn of each conversation")
-    lora_r: int = _f(64, "LoRA rank", lo=1)
+    lora_r: int = _f(64, "LoRA rank", lo=1, not_with=TRY)
     lora_alpha: float = _f(28.0, "LoRA scaling = alpha / r (0 would train an adapter that does nothing)", gt=0.0)
     lora_dropout: float = _f(0.05, "dropout on the adapter's input", lo=0.0, hi=0.99)
-    targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated projections")
+    targets: str = _f(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated projections", not_with=TRY
+    )
     max_seq_len: int = _f(1024, "tokens per conversation (longer ones are truncated)", lo=2)
     packing: bool = _f(
         True,
@@ -208,7 +227,7 @@ class FinetuneConfig(LoopFlags):
         "micro-batch can hold); lower it to cap activation memory at the cost of more forwards a step",
         lo=1,
     )
-    steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1)
+    steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1, not_with=TRY)
     epochs: float = _f(1.0, "passes over the data when --steps is not given", gt=0.0)
     lr: float = _f(2e-4, "peak learning rate", gt=0.0, hi=1e6)
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
@@ -224,8 +243,8 @@ class FinetuneConfig(LoopFlags):
     global_batch: int = _f(16, "conversations per step, all processes", lo=1, hi=1 << 20)
     eval_every: int = _f(50, "val loss every N steps", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
-    seed: int = _f(0, "seed for the adapter init, dropout and the data order", lo=0)
-    merge: bool = _f(False, "also export base+adapter merged, as a HF model in OUT/merged")
+    seed: int = _f(0, "seed for the adapter init, dropout and the data order", lo=0, hi=2**32 - 1)
+    merge: bool = _f(False, "also export base+adapter merged, as a HF model in OUT/merged", not_with=TRY)
     device: str = _f("auto", "where to train", choices=("auto", "cpu", "cuda"))
     liger: bool = _f(True, "Liger's fused kernels on CUDA")
     compile: bool = _f(False, "torch.compile each block")
@@ -288,7 +307,7 @@ class TokenizeEncodeConfig(CorpusConfig):
     val_corpus: list[str] | None = _f(
         None, "a separate val corpus (then --val-fraction is unused)", nargs="+", channel="val_corpus"
     )
-    val_fraction: float = _f(0.01, "val share of documents, by text hash", lo=0.0, hi=0.5)
+    val_fraction: float = _f(0.01, "val share of documents, by text hash", lo=0.0, hi=0.5, not_with=("val_corpus",))
     shard_tokens: int = _f(100_000_000, "tokens per .bin file", lo=1024)
     batch_mb: int | None = _f(None, "MB of text per encode_batch call; memory grows ~30x it (default: CPUs/4)", lo=1)
     out: str | None = _f(None, "shard directory to write", container=CONTAINER_MODEL)

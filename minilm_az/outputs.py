@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -34,6 +35,7 @@ from safetensors import SafetensorError
 
 MARKER = "minilm-az-output.json"
 STAGING_PREFIX = ".staging-"
+STAGING_MARK = ".mark"  # STAGING_PREFIX...X.mark beside each staging dir: a user's ".staging-backup" has none
 LOCK = ".minilm-az.lock.sagemaker-ignore"  # SageMaker's sync never uploads it: a lock belongs to one host
 
 
@@ -320,8 +322,10 @@ def _owner_problem(out_dir: str, stage: str, overwrite: bool, run: str | None, r
         return None, False
     if not os.path.isdir(out_dir):  # a file, a dangling link, a FIFO: said as what it is
         return f"is {describe(out_dir)}, where a directory belongs", False
-    # No output of ours starts with a dot, and a marker alone is a run that stopped before it wrote anything.
-    entries = sorted(e for e in os.listdir(out_dir) if not e.startswith(".") and e != MARKER)
+    # A marker alone is a run that stopped before it wrote anything; the lock and a staging dir are ours. Any other
+    # name counts, hidden or not: a directory holding only a user's dot files is not empty.
+    ours = {MARKER, LOCK}
+    entries = sorted(e for e in os.listdir(out_dir) if e not in ours and not _is_staging(os.path.join(out_dir, e)))
     if not entries:
         return None, False
     records = _read_marker(out_dir)  # a dir written before owners were recorded: its newest output's stage
@@ -348,8 +352,13 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
     at once; outputs as the new ones move in). Anything else is refused, --overwrite or not: files the marker does
     not list may be another model's, and nothing here may replace or remove them.
     """
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", out_dir):  # never a local directory named "s3:"
+        raise OutputError(
+            f"--out {shown(out_dir)}: a URL; outputs are local directories (a SageMaker job uploads its model dir; "
+            "only --checkpoint-dir may be s3://BUCKET/PREFIX)"
+        )
     problem, _ = _owner_problem(out_dir, stage, overwrite, run, resume)  # before the lock: a refusal creates nothing
-    if above := output_above(os.path.dirname(os.path.abspath(out_dir))):
+    if above := output_above(os.path.dirname(os.path.realpath(out_dir))):  # where it is, through links
         problem = f"is inside {above}, the output of another run or stage; choose a directory outside it"
     if problem:
         raise OutputError(f"--out {shown(out_dir)}: {problem}")
@@ -358,6 +367,13 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
     if problem:
         lock.close()
         raise OutputError(f"--out {shown(out_dir)}: {problem}")
+    for name in run_files:  # the run writes them itself: through a link it would write where the link points
+        if os.path.islink(os.path.join(out_dir, name)):
+            lock.close()
+            where = shown(os.readlink(os.path.join(out_dir, name)))
+            raise OutputError(
+                f"--out {shown(out_dir)}: {name} is a symlink to {where}; a run never writes through a link: remove it"
+            )
     marker = _marker(out_dir)
     owner = marker.get("owner") or {}
     if replacing:  # only files the earlier run recorded writing: never a whole directory, never a name's pattern
@@ -436,12 +452,24 @@ def check_finished(out_dir: str | None, overwrite: bool, checkpoint_dir: str) ->
 # ---------------------------------------------------------------- staged directories
 
 
+def _is_staging(path: str) -> bool:
+    """Whether `path` is a staging dir staged_output made, or its mark: the pair, never a name alone."""
+    if not os.path.basename(path).startswith(STAGING_PREFIX) or os.path.islink(path):
+        return False
+    if path.endswith(STAGING_MARK):
+        return os.path.isfile(path) and os.path.isdir(path[: -len(STAGING_MARK)])
+    return os.path.isdir(path) and os.path.isfile(path + STAGING_MARK)
+
+
 def _remove_leftover_staging(out_dir: str) -> None:
-    # A process killed inside staged_output leaves its staging dir behind. Nothing else uses these names.
+    # A process killed inside staged_output leaves its staging dir behind, marked as one; a dir named like it that
+    # holds no mark is someone else's.
     if os.path.isdir(out_dir):
         for name in os.listdir(out_dir):
-            if name.startswith(STAGING_PREFIX):
-                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            path = os.path.join(out_dir, name)
+            if not path.endswith(STAGING_MARK) and _is_staging(path):
+                shutil.rmtree(path, ignore_errors=True)
+                os.remove(path + STAGING_MARK)
 
 
 def _staged_files(stage_dir: str) -> list[str]:
@@ -517,7 +545,11 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     _remove_leftover_staging(out_dir)
-    stage_dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
+    # The mark first, then the dir of its name: a staging dir without its mark is never taken for one of ours.
+    fd, mark = tempfile.mkstemp(prefix=STAGING_PREFIX, suffix=STAGING_MARK, dir=out_dir)
+    os.close(fd)
+    stage_dir = mark[: -len(STAGING_MARK)]
+    os.mkdir(stage_dir)
     try:
         yield stage_dir
         files = _staged_files(stage_dir)
@@ -525,6 +557,7 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
         _commit(out_dir, stage_dir, files, stage, replaces)
     except BaseException as e:
         shutil.rmtree(stage_dir, ignore_errors=True)
+        os.remove(mark)
         if created and not os.listdir(out_dir):  # we made out_dir, so a failed first write removes it
             os.rmdir(out_dir)
         if isinstance(e, (OSError, SafetensorError)):  # a full disk, a read-only mount: one line, with the space
@@ -532,6 +565,8 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
         raise
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(mark)
 
 
 def _commit(out_dir: str, stage_dir: str, files: list[str], stage: str, replaces: Iterable[str]) -> None:

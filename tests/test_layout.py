@@ -43,9 +43,11 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # make redundant are still there; retiring them is the next trim. Issue 38 knew inputs by content (every byte
     # of a base model and of the shards hashed on every core, ids checked as batches are read), checked each value
     # and environment variable where it enters, described what a path is when it is not what a flag wants, and
-    # recorded the files a run writes so cleanup removes only those: +276 lines. Grow it only with a reason
-    # written here.
-    assert sum(lines.values()) <= 5151, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    # recorded the files a run writes so cleanup removes only those: +276 lines; its audit's finds (a flag that
+    # does nothing in a mode, the reverse of `needs`; staging dirs known by their mark, not their name; no write
+    # through a link in --out; SageMaker defaults only for what the command line left out): +55 more.
+    # Grow it only with a reason written here.
+    assert sum(lines.values()) <= 5206, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"

@@ -97,6 +97,31 @@ def run_without_tensorboard(fx, w):
     return {"X": x}
 
 
+def out_with_a_users_staging_named_dir(fx, w):
+    """An --out where a user keeps a folder named like a staging dir, holding a file (the audit's data loss)."""
+    x = os.path.join(w, "out")
+    os.makedirs(os.path.join(x, ".staging-backup"))
+    with open(os.path.join(x, ".staging-backup", "important.txt"), "w") as f:
+        f.write("mine\n")
+    return {"X": x}
+
+
+def metrics_jsonl_links_out(fx, w):
+    """A copy of M whose metrics.jsonl is a symlink to a user's file beside it: a resume would append to it."""
+    x = _copy(fx["M"], os.path.join(w, "run"))
+    with open(os.path.join(w, "mylog.txt"), "w") as f:
+        f.write("mine\n")
+    os.remove(os.path.join(x, "metrics.jsonl"))
+    os.symlink(os.path.join(w, "mylog.txt"), os.path.join(x, "metrics.jsonl"))
+    return {"X": x}
+
+
+def runs_dir_is_a_file(fx, w):
+    with open(os.path.join(w, "f"), "w") as f:
+        f.write("mine\n")
+    return {"X": os.path.join(w, "f")}
+
+
 def out_links_to_base(fx, w):
     x = _copy(fx["M"], os.path.join(w, "base"))
     os.symlink(x, os.path.join(w, "link"))
@@ -238,6 +263,12 @@ ROWS = [
         changes=("{X}",),
         check=check_user_file_stays,
     ),
+    Row(  # a user's ".staging-backup" is no staging dir of ours: the dir is not empty, and nothing in it goes
+        "f2_users_staging_named_dir_stays",
+        "python tokenize.py train --corpus " + KDE + " --vocab-size 300 --no-progress --out {X}",
+        "holds files no minilm-az stage wrote (.staging-backup)",
+        prep=out_with_a_users_staging_named_dir,
+    ),
     # 3. paths compared as files
     Row(
         "f3_out_symlink_to_base",
@@ -260,6 +291,13 @@ ROWS = [
         prep=lock_dangling_link,
         absent=("{W}/outside/created",),
     ),
+    Row(  # a resume never appends to a user's file through a link in --out
+        "f3_metrics_jsonl_is_a_link",
+        f"{TR} --out {{X}}",
+        "metrics.jsonl is a symlink to",
+        prep=metrics_jsonl_links_out,
+    ),
+    Row("f3_out_is_an_s3_url", f"{TR} --out s3://bucket/run", "a URL; outputs are local directories", absent=("s3:",)),
     # 4. inputs known by content
     Row("f4_shard_rewritten_in_place", f"{TR} --data {{S2}} --out {{X}}", "from other inputs", prep=shard_rewritten),
     Row(
@@ -300,6 +338,21 @@ ROWS = [
         for i, value in enumerate(values)
     ),
     Row("f5_env_world_size_finetune", f"{FT} {NEW}", "WORLD_SIZE", env={"WORLD_SIZE": "abc"}),
+    Row(
+        "f5_eval_only_steps",
+        f"python train.py --eval-only --base-model {{M}} --tokenizer {{M}} --steps 5 {NEW}",
+        "--steps does nothing with --eval-only",
+    ),
+    Row("f5_base_tokenizer_alone", f"{TR} --base-tokenizer {{M}} {NEW}", "--base-tokenizer does nothing without"),
+    Row("f5_prompt_with_merge", "python finetune.py --model {M} --prompt Salam --merge", "--merge does nothing with"),
+    Row("f5_prompt_with_out", "python finetune.py --model {M} --prompt Salam --out {W}/o", "--out does nothing with"),
+    Row(
+        "f5_val_fraction_with_val_corpus",
+        f"python tokenize.py encode --tokenizer {{T}} --corpus {KDE} --val-corpus {KDE} --val-fraction 0.3 {NEW}",
+        "--val-fraction does nothing with --val-corpus",
+    ),
+    Row("f5_seed_too_large", f"{TR} --seed 100000000000000000000000 {NEW}", "--seed"),
+    Row("f5_prompt_spaces_only", "python finetune.py --model {M} --prompt '   '", "--prompt is empty"),
     # 6. no file of an --eval-only without --out
     Row(
         "f6_eval_only_tensorboard_without_out",
@@ -322,6 +375,16 @@ ROWS = [
     Row("f8_lock_is_a_directory", f"{TR} --out {{X}}", "where the run's lock file goes", prep=lock_is_dir),
     Row("f8_corpus_dev_null", "python tokenize.py train --corpus /dev/null --out {W}/tok", "a character device"),
     Row("f8_corpus_fifo", "python tokenize.py train --corpus {X} --out {W}/tok", "a FIFO", prep=corpus_fifo),
+    Row(
+        "f8_data_dev_null", f"python train.py --phase 2 --tokenizer {{T}} --data /dev/null {NEW}", "a character device"
+    ),
+    Row(
+        "f8_demo_runs_dir_is_a_file",
+        "python -m demo --runs-dir {X}",
+        "--runs-dir",
+        prep=runs_dir_is_a_file,
+        prog="python -m demo",
+    ),
     Row("f8_prompt_empty", 'python finetune.py --model {M} --prompt ""', "--prompt is empty"),
     Row(
         "f8_checkpoints_is_a_file",
@@ -504,3 +567,23 @@ def test_a_second_demo_of_the_same_name_is_refused_and_ctrl_c_is_one_line(tmp_pa
     monkeypatch.setattr(demo, "run_demo", interrupted)
     assert demo.main(["--runs-dir", str(tmp_path), "--name", "other"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["demo: interrupted; a rerun of --name other starts over"]
+
+
+def test_sagemaker_defaults_fill_only_what_the_command_line_left_out(monkeypatch):
+    """Family 6: an explicit value equal to a field's default is still explicit (--checkpoint-minutes 0 stays 0), and
+    without a job's model dir (SageMaker's variables on a laptop) no checkpoint goes to the container's path."""
+    from minilm_az.config import CONTAINER_CHECKPOINTS, TrainConfig
+    from minilm_az.launch.flags import make_parser, parse_config
+
+    def parse(*argv):
+        return parse_config(TrainConfig, make_parser(TrainConfig, "train.py", "x"), list(argv), here=False)
+
+    monkeypatch.setenv("SM_TRAINING_ENV", "{}")
+    monkeypatch.delenv("SM_MODEL_DIR", raising=False)
+    cfg = parse("--checkpoint-minutes", "0")
+    assert cfg.checkpoint_minutes == 0 and cfg.checkpoint_dir is None and cfg.out is None
+    assert parse().checkpoint_minutes == 30.0  # not given: the SageMaker clock
+    monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
+    cfg = parse()
+    assert cfg.out == "/opt/ml/model" and cfg.checkpoint_dir == CONTAINER_CHECKPOINTS
+    assert parse("--out", "/data/mine").checkpoint_dir is None  # an --out of the user's own keeps them beside it

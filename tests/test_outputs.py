@@ -218,13 +218,19 @@ def test_only_files_the_previous_record_listed_are_removed(tmp_path):
     assert written_by(out, "other")["files"] == ["t"] and written_by(out, "s")["files"] == ["x"]
 
 
-def test_leftover_staging_dirs_are_removed_at_the_next_write(tmp_path):
+def test_leftover_staging_dirs_are_removed_at_the_next_write_and_look_alikes_stay(tmp_path):
+    from minilm_az.outputs import STAGING_MARK
+
     out = tmp_path / "o"
     (out / ".staging-killed" / "sub").mkdir(parents=True)
+    (out / f".staging-killed{STAGING_MARK}").write_bytes(b"")  # staged_output's own pair, left by a killed process
     (out / ".staging-killed" / "sub" / "partial.bin").write_bytes(b"...")
+    (out / ".staging-backup").mkdir()  # a user's, named like one: no mark inside
+    (out / ".staging-backup" / "important.txt").write_text("mine")
     with staged_output(str(out), stage="s") as tmp:
         open(os.path.join(tmp, "f"), "w").write("f")
-    assert sorted(os.listdir(out)) == ["f", MARKER]
+    assert sorted(os.listdir(out)) == [".staging-backup", "f", MARKER]
+    assert (out / ".staging-backup" / "important.txt").read_text() == "mine"
 
 
 def test_a_process_dying_while_moving_leaves_an_incomplete_record(tmp_path, monkeypatch):

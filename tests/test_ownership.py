@@ -80,13 +80,18 @@ def test_a_dir_of_another_stage_or_of_nobody_is_refused_even_with_overwrite(tmp_
         claim(tok, "finetune.py", overwrite, run="r")
 
 
-def test_a_dir_holding_only_a_marker_or_dotfiles_counts_as_empty(tmp_path):
+def test_a_dir_holding_only_a_marker_counts_as_empty_but_a_users_dotfile_does_not(tmp_path):
     out = str(tmp_path / "out")
     claim(out, "finetune.py", False, run="r1")[0].close()  # a run that stopped before it wrote anything
-    _write(os.path.join(out, ".hidden"))
     lock, replacing = claim(out, "train.py", False, run="other")
     lock.close()
     assert not replacing and json.load(open(os.path.join(out, MARKER)))["owner"]["stage"] == "finetune.py"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    _write(os.path.join(theirs, ".hidden"))  # a hidden file is someone's file all the same (issue 38)
+    with pytest.raises(OutputError, match=r"holds files no minilm-az stage wrote \(\.hidden\)"):
+        claim(str(theirs), "train.py", False, run="r2")
+    assert os.listdir(theirs) == [".hidden"]
 
 
 def test_the_lock_refuses_a_second_holder_and_is_gone_with_the_process(tmp_path):

@@ -153,16 +153,21 @@ def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
             parser.error(f"{flag(f.name)} must be <= {hi}, got {v}")
 
 
-def sm_defaults(cfg) -> None:
-    """Values not given on the command line, as a container sets them: paths from SM_CHANNEL_<CHANNEL> and
-    SM_MODEL_DIR, and fields whose metadata holds a `sagemaker` default of their own."""
-    # An --out the user gave (not the job's model dir) keeps its checkpoints beside it, as outside SageMaker.
-    outs = [getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("container") == CONTAINER_MODEL]
-    own_out = any(o not in (None, "", os.environ.get("SM_MODEL_DIR"), CONTAINER_MODEL) for o in outs)
+def sm_defaults(cfg, given: frozenset[str] = frozenset()) -> None:
+    """Values not given on the command line (`given`: the fields it named), as a container sets them: paths from
+    SM_CHANNEL_<CHANNEL> and SM_MODEL_DIR, and fields whose metadata holds a `sagemaker` default of their own."""
+    # An --out the user gave (not the job's model dir) keeps its checkpoints beside it, as outside SageMaker; and
+    # without a job's model dir (SageMaker's variables on a laptop) nothing goes to the container's paths.
+    model_dir = os.environ.get("SM_MODEL_DIR")
+    own_out = any(
+        f.name in given and getattr(cfg, f.name) not in (model_dir, CONTAINER_MODEL)
+        for f in dataclasses.fields(cfg)
+        if f.metadata.get("container") == CONTAINER_MODEL
+    )
     for f in dataclasses.fields(cfg):
-        if getattr(cfg, f.name) not in (None, f.default):
+        if f.name in given or getattr(cfg, f.name) not in (None, f.default):
             continue
-        if own_out and f.metadata.get("container") == CONTAINER_CHECKPOINTS:
+        if (own_out or not model_dir) and f.metadata.get("container") == CONTAINER_CHECKPOINTS:
             continue
         ch = f.metadata.get("channel")
         value = os.environ.get(f"SM_CHANNEL_{ch.upper()}") if ch else None
@@ -200,7 +205,8 @@ def parse_config(cls, parser: argparse.ArgumentParser, argv: list[str] | None = 
             "--tensorboard needs the tensorboard package, which is in the tensorboard extra: "
             "pip install -e '.[tensorboard]'"
         )
-    sm_defaults(cfg)
+    named = {w[2:].split("=")[0].replace("-", "_") for w in argv if w.startswith("--")}
+    sm_defaults(cfg, frozenset(named | {n[3:] for n in named if n.startswith("no_")}))
     return cfg
 
 

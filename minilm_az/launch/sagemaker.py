@@ -601,7 +601,8 @@ def plan_job(args: argparse.Namespace, *, bucket: str, role: str) -> JobPlan:
             hps[fname.replace("_", "-")] = f"{CONTAINER_INPUT}/{ch}"
     job_name = args.job_name or _timestamped(base)
     root = f"s3://{bucket}/{args.prefix.strip('/')}".rstrip("/")
-    checkpoint_uri = args.checkpoint_s3 or (f"{root}/checkpoints/{job_name}/" if stage.checkpoints else None)
+    trains = stage.checkpoints and not getattr(args, "eval_only", False)  # an --eval-only job saves nothing
+    checkpoint_uri = args.checkpoint_s3 or (f"{root}/checkpoints/{job_name}/" if trains else None)
     for fname, path in flags.container_paths(cls).items():
         # Checkpoints go straight to S3 from every rank (minilm_az/s3.py): no host's disk holds a copy that
         # SageMaker's per-host sync would have to bring there later (docs/checkpoints.md).
