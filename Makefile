@@ -46,7 +46,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 # Durations measured with `time make demo` / `time make demo-quick` on 2 CPU cores (demo/run.py's --help says the same).
-demo: $(SETUP)  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (6-10 min on 2 cores)
+demo: $(SETUP)  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (9-12 min on 2 cores)
 	$(PYTHON) -m demo --name $(NAME)
 
 demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~1.5 min)
@@ -55,8 +55,9 @@ demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~1.5 min)
 report: $(SETUP)  ## rewrite runs/$(NAME)/report.md and its plots from what the run left
 	$(PYTHON) -m demo.report runs/$(NAME)
 
+# -n 2: two pytest-xdist workers (tests/conftest.py groups the tests so a module's fixtures are built once).
 test: $(SETUP)  ## the whole suite (GPU tests skip without CUDA), ~8 min on 2 cores
-	$(PYTHON) -m pytest -q -ra
+	$(PYTHON) -m pytest -q -ra -n 2
 
 lint: $(SETUP)  ## ruff check and ruff format --check, as CI runs them
 	$(PYTHON) -m ruff check .

