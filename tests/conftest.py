@@ -33,7 +33,7 @@ AWS_TEST_ENV = sm_container.aws_test_env()
 # once; the modules in SPREAD are not, as their tests share nothing costly and each can go to whichever worker is
 # free. The quick demo's readers (test_demo.py, and the README's CPU block in test_readme.py) are one group, so
 # one worker builds the demo while the other runs everything else.
-SPREAD = {"test_hsdp.py", "test_s3_checkpoint.py", "test_multihost.py"}
+SPREAD = {"test_s3_checkpoint.py", "test_multihost.py"}
 QUICK_DEMO = {"test_demo.py", "test_readme.py"}
 # Groups in this order first (the longest first, as measured on 2 cores), then the rest as collected: a group that
 # starts last should not be one that runs for minutes on its own while the other worker idles.

@@ -2,7 +2,8 @@
 
 - train.py on 4 processes as 2 x 2 (HSDP) equals 4 processes plain (FSDP) and 1 process: losses, eval, export.
 - A checkpoint written by the 2 x 2 layout resumes on 1 process and the other way round, ending where an
-  uninterrupted run ends.
+  uninterrupted run ends (the checkpoint of step 3 that the 2 x 2 run and the one-process reference of the first
+  point write on their way, copied into a checkpoint dir of its own).
 - Accumulation: FSDP reduces gradients once a step (one reduce-scatter per FSDP group, and under HSDP one
   all-reduce across the replicas), and the loss and gradients equal those of reducing every micro-batch.
 - finetune.py with --replicate 2 on 4 processes equals --replicate 1.
@@ -13,6 +14,7 @@ same steps as one run of 6.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -50,10 +52,18 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one(data, tmp_path_factory):
-    """The reference: one process, STEPS steps, uninterrupted."""
+    """The reference: one process, STEPS steps, uninterrupted, with a checkpoint at step 3 on the way."""
     out = tmp_path_factory.mktemp("one") / "out"
-    train(*data, "--out", out, "--steps", STEPS)
+    train(*data, "--out", out, "--steps", STEPS, "--checkpoint-every", 3)
     return out
+
+
+@pytest.fixture(scope="module")
+def two_by_two(data, tmp_path_factory):
+    """4 processes as 2 x 2 (HSDP), STEPS steps, with a checkpoint at step 3 on the way: (out, stdout)."""
+    out = tmp_path_factory.mktemp("two_by_two") / "out"
+    r = train(*data, "--out", out, "--steps", STEPS, "--replicate", 2, "--checkpoint-every", 3, nproc=4)
+    return out, r.stdout
 
 
 def assert_same_run(got: Path, want: Path, first: int = 1) -> None:
@@ -69,22 +79,27 @@ def assert_same_run(got: Path, want: Path, first: int = 1) -> None:
 
 
 @pytest.mark.parametrize("replicate", [2, 1])
-def test_four_processes_equal_one_with_and_without_hsdp(data, one, tmp_path, replicate):
-    out = tmp_path / "four"
-    r = train(*data, "--out", out, "--steps", STEPS, "--replicate", replicate, nproc=4)
-    assert "world=4 micro_batch=1" in r.stdout and "batch accum=2 " in r.stdout
+def test_four_processes_equal_one_with_and_without_hsdp(data, one, two_by_two, tmp_path, replicate):
+    if replicate == 2:
+        out, stdout = two_by_two
+    else:
+        out = tmp_path / "four"
+        stdout = train(*data, "--out", out, "--steps", STEPS, "--replicate", replicate, nproc=4).stdout
+    assert "world=4 micro_batch=1" in stdout and "batch accum=2 " in stdout
     assert records(out, "config")[0]["replicate"] == replicate
     assert_same_run(out, one)
 
 
 @pytest.mark.parametrize("first, then", [(4, 1), (1, 4)], ids=["2x2_then_1", "1_then_2x2"])
-def test_a_checkpoint_moves_between_hsdp_and_one_process(data, one, tmp_path, first, then):
+def test_a_checkpoint_moves_between_hsdp_and_one_process(data, one, two_by_two, tmp_path, first, then):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
 
     def layout(n: int) -> list:
         return ["--replicate", 2] if n == 4 else []
 
-    train(*data, "--out", tmp_path / "first", "--checkpoint-dir", ckpt, "--steps", 3, *layout(first), nproc=first)
+    written = (two_by_two[0] if first == 4 else one) / "checkpoints" / "phase2"
+    (step3,) = written.glob("step-00000003-*")  # what the `first` layout wrote at step 3
+    shutil.copytree(step3, ckpt / "phase2" / step3.name)
     r = train(*data, "--out", out, "--checkpoint-dir", ckpt, "--steps", STEPS, *layout(then), nproc=then)
     assert re.search(rf"resume from={ckpt / 'phase2' / 'step-00000003'}-[0-9a-f]{{8}} step=3", r.stdout), r.stdout
     assert_same_run(out, one, first=4)
