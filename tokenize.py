@@ -134,7 +134,7 @@ def _combine(parts: list[dict[str, dict]]) -> dict[str, dict]:
 
 def cmd_report(args) -> None:
     if args.json:  # checked before the work: the report must not replace a file the user had
-        inputs = [args.tokenizer, args.baseline, *(args.corpus or [])]
+        inputs = [args.tokenizer, args.baseline, *readers.corpus_files(args.corpus or DEMO_VAL)]  # the default too
         if any(p and (inside(p, args.json) or inside(tk_json(p), args.json)) for p in inputs):
             raise FileExistsError(f"--json {args.json} is one of the inputs, or inside one")
         if above := outputs.output_above(os.path.dirname(os.path.abspath(args.json))):

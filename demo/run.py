@@ -191,10 +191,18 @@ def prepare_run_dir(run: str) -> None:
     os.makedirs(os.path.join(run, "logs"), exist_ok=True)
 
 
+def new_file(path: str) -> str:
+    """`path`, for a file the demo is about to write: after prepare_run_dir removed what the last demo wrote, a name
+    still there (a person's file, a link) is not the demo's to replace."""
+    if os.path.lexists(path):
+        raise SystemExit(f"demo: {path} is not a file this demo wrote (its {MARKER} does not list it); move it away")
+    return path
+
+
 def write_val_text(run: str, lines: int | None) -> str:
     if lines is None:
         return VAL_FILE
-    path = os.path.join(run, "val.txt")
+    path = new_file(os.path.join(run, "val.txt"))
     with open(VAL_FILE, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
         for i, line in enumerate(src):
             if i >= lines:
@@ -283,7 +291,7 @@ class Runner:
         done = threading.Event()
         watcher = threading.Thread(target=self.watch, args=(name, t, last_line, done), daemon=True)
         self.logs.append(os.path.relpath(log_path, self.run).replace(os.sep, "/"))
-        with open(log_path, "w", encoding="utf-8") as log:
+        with open(new_file(log_path), "w", encoding="utf-8") as log:
             log.write("$ " + shell_line(cmd) + "\n")
             log.flush()
             p = subprocess.Popen(
@@ -499,7 +507,7 @@ def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
         reply = R(f"sample{i + 1}", f"reply to: {prompt}", cmd, stdout_only=True)
         samples.append({"prompt": prompt, "reply": reply.strip(), "seed": seed})
         print(f"    > {samples[-1]['reply'][:200]}", flush=True)
-    with open(os.path.join(run, "samples.jsonl"), "w", encoding="utf-8") as f:
+    with open(new_file(os.path.join(run, "samples.jsonl")), "w", encoding="utf-8") as f:
         for s in samples:
             f.write(json.dumps(s, ensure_ascii=False) + "\n")
     return samples
@@ -537,7 +545,7 @@ def run_demo(
     prepare_run_dir(run)
     base_tok = os.path.join(run, "baseline_tokenizer")
     os.makedirs(base_tok, exist_ok=True)  # a person's file left in it stays beside the copy
-    with open(os.path.join(base_tok, "tokenizer.json"), "wb") as f:
+    with open(new_file(os.path.join(base_tok, "tokenizer.json")), "wb") as f:
         f.write(base_bytes)
     val = write_val_text(run, cfg.val_lines)
     # Every file the demo writes is recorded by name as it is written; a rerun removes exactly these.

@@ -76,20 +76,38 @@ class LoopFlags:
         not_with=("eval_only", "chat", "prompt"),
     )
     resume: str = _f(
-        "auto", "auto: continue from the newest complete checkpoint; never: start fresh", choices=("auto", "never")
+        "auto",
+        "auto: continue from the newest complete checkpoint; never: start fresh",
+        choices=("auto", "never"),
+        not_with=("eval_only", "chat", "prompt"),
     )
-    checkpoint_every: int = _f(1000, "write a training checkpoint every N steps (0: only on SIGTERM/end)", lo=0)
+    checkpoint_every: int = _f(
+        1000,
+        "write a training checkpoint every N steps (0: only on SIGTERM/end)",
+        lo=0,
+        not_with=("eval_only", "chat", "prompt"),
+    )
     checkpoint_minutes: float = _f(
-        0.0, "also every N minutes (0: off; 30 on SageMaker, where no SIGTERM reaches us)", lo=0.0, sagemaker=30.0
+        0.0,
+        "also every N minutes (0: off; 30 on SageMaker, where no SIGTERM reaches us)",
+        lo=0.0,
+        sagemaker=30.0,
+        not_with=("eval_only", "chat", "prompt"),
     )
     async_checkpoint: bool = _f(
-        True, "write checkpoints in the background (training waits only for the copy off the GPU)"
+        True,
+        "write checkpoints in the background (training waits only for the copy off the GPU)",
+        not_with=("eval_only", "chat", "prompt"),
     )
-    keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1)
+    keep_checkpoints: int = _f(2, "complete checkpoints to keep", lo=1, not_with=("eval_only", "chat", "prompt"))
     overwrite: bool = _f(
         False, OVERWRITE + "; the same inputs continue their run without it", not_with=("chat", "prompt")
     )
-    tensorboard: bool = _f(False, "TensorBoard event files too, in OUT/tensorboard (on SageMaker synced to S3)")
+    tensorboard: bool = _f(
+        False,
+        "TensorBoard event files too, in OUT/tensorboard (on SageMaker synced to S3)",
+        not_with=("chat", "prompt"),
+    )
 
     def __post_init__(self) -> None:
         check_values(self)
@@ -97,7 +115,12 @@ class LoopFlags:
 
 @dataclass
 class TrainConfig(LoopFlags):
-    phase: int = _f(2, "1: train embeddings only (new vocabulary adapts); 2: train everything", choices=(1, 2))
+    phase: int = _f(
+        2,
+        "1: train embeddings only (new vocabulary adapts); 2: train everything",
+        choices=(1, 2),
+        not_with=("eval_only",),
+    )
     preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
     base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
     base_tokenizer: str | None = _f(
@@ -105,6 +128,7 @@ class TrainConfig(LoopFlags):
         "the base model's tokenizer dir (phase 1: vocabulary transfer)",
         channel="base_tokenizer",
         needs=("base_model",),
+        not_with=("eval_only",),
     )
     tokenizer: str | None = _f(None, "our tokenizer dir (tokenize.py train)", channel="tokenizer")
     data: str | None = _f(None, "token shards dir (tokenize.py encode)", channel="data")
@@ -118,22 +142,32 @@ class TrainConfig(LoopFlags):
         not_with=("eval_only",),
     )
     lr: float | None = _f(
-        None, f"peak learning rate (default: phase 1 {PHASE_1.lr}, phase 2 {PHASE_2.lr})", gt=0.0, hi=1e6
+        None,
+        f"peak learning rate (default: phase 1 {PHASE_1.lr}, phase 2 {PHASE_2.lr})",
+        gt=0.0,
+        hi=1e6,
+        not_with=("eval_only",),
     )
-    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
+    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0, not_with=("eval_only",))
     warmup: int | None = _f(None, "linear warmup steps (default 5%% of --steps)", lo=0, not_with=("eval_only",))
-    weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)", lo=0.0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on norm weights)", lo=0.0, not_with=("eval_only",))
     beta1: float = _f(0.9, "AdamW beta1", lo=0.0, hi=1.0)
     beta2: float = _f(0.95, "AdamW beta2", lo=0.0, hi=1.0)
-    grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
+    grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0, not_with=("eval_only",))
     seq_len: int | None = _f(None, "tokens per sequence (default: 2048, or the model's context if shorter)", lo=2)
     micro_batch: int | None = _f(
         None,
         "sequences per GPU per forward (default: the largest <= 14 that divides the global batch's share of each GPU)",
         lo=1,
     )
-    global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)", lo=1, hi=1 << 20)
-    eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0)
+    global_batch: int = _f(
+        224,
+        "sequences per optimizer step (gradient accumulation fills the gap)",
+        lo=1,
+        hi=1 << 20,
+        not_with=("eval_only",),
+    )
+    eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0, not_with=("eval_only",))
     eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
     eval_only: bool = _f(False, "only evaluate BPB of --base-model with --tokenizer on --eval-text or val split")
@@ -158,7 +192,10 @@ class TrainConfig(LoopFlags):
         False, "the backward's float8 GEMMs accumulate fast too, as the forward's do (faster; bench/RESULTS.md)"
     )
     export_dtype: str = _f(
-        "float32", "dtype of the exported safetensors (bfloat16 halves the size)", choices=("float32", "bfloat16")
+        "float32",
+        "dtype of the exported safetensors (bfloat16 halves the size)",
+        choices=("float32", "bfloat16"),
+        not_with=("eval_only",),
     )
 
     def __post_init__(self) -> None:
@@ -199,19 +236,25 @@ class FinetuneConfig(LoopFlags):
         None,
         "chat JSONL file, or a directory: train*.jsonl / *.jsonl train, val*.jsonl / *_val.jsonl validate",
         channel="data",
+        not_with=TRY,
     )
     val_data: str | None = _f(
         None,
         "val chat JSONL file or directory of them (default: val files in --data, else a --val-fraction split)",
         channel="val_data",
+        not_with=TRY,
     )
-    val_fraction: float = _f(0.05, "held out of --data when there is no val file", lo=0.0, hi=0.5)
+    val_fraction: float = _f(
+        0.05, "held out of --data when there is no val file", lo=0.0, hi=0.5, not_with=(*TRY, "val_data")
+    )
     out: str = _f("runs/finetune", "adapter (and merged/) here", container=CONTAINER_MODEL, not_with=TRY)
-    on_bad_line: str = _f("fail", "malformed JSONL lines", choices=("fail", "skip"))
-    last_turn_only: bool = _f(False, "train only the final assistant turn of each conversation")
+    on_bad_line: str = _f("fail", "malformed JSONL lines", choices=("fail", "skip"), not_with=TRY)
+    last_turn_only: bool = _f(False, "train only the final assistant turn of each conversation", not_with=TRY)
     lora_r: int = _f(64, "LoRA rank", lo=1, not_with=TRY)
-    lora_alpha: float = _f(28.0, "LoRA scaling = alpha / r (0 would train an adapter that does nothing)", gt=0.0)
-    lora_dropout: float = _f(0.05, "dropout on the adapter's input", lo=0.0, hi=0.99)
+    lora_alpha: float = _f(
+        28.0, "LoRA scaling = alpha / r (0 would train an adapter that does nothing)", gt=0.0, not_with=TRY
+    )
+    lora_dropout: float = _f(0.05, "dropout on the adapter's input", lo=0.0, hi=0.99, not_with=TRY)
     targets: str = _f(
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated projections", not_with=TRY
     )
@@ -226,22 +269,23 @@ class FinetuneConfig(LoopFlags):
         "packed: tokens per forward, per process (default: --micro-batch x --max-seq-len, the most a padded "
         "micro-batch can hold); lower it to cap activation memory at the cost of more forwards a step",
         lo=1,
+        needs=("packing",),
     )
     steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1, not_with=TRY)
-    epochs: float = _f(1.0, "passes over the data when --steps is not given", gt=0.0)
-    lr: float = _f(2e-4, "peak learning rate", gt=0.0, hi=1e6)
-    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0)
-    warmup: int = _f(10, "linear warm-up steps", lo=0)
-    weight_decay: float = _f(0.0, "AdamW weight decay", lo=0.0)
-    grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0)
+    epochs: float = _f(1.0, "passes over the data when --steps is not given", gt=0.0, not_with=(*TRY, "steps"))
+    lr: float = _f(2e-4, "peak learning rate", gt=0.0, hi=1e6, not_with=TRY)
+    min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0, not_with=TRY)
+    warmup: int = _f(10, "linear warm-up steps", lo=0, not_with=TRY)
+    weight_decay: float = _f(0.0, "AdamW weight decay", lo=0.0, not_with=TRY)
+    grad_clip: float = _f(1.0, "max global grad norm (0 disables)", lo=0.0, not_with=TRY)
     micro_batch: int | None = _f(
         None,
         "conversations per forward, per process, padded (default: the largest <= 4 that "
         "divides each process's share of --global-batch); packed, it sets --max-tokens-per-forward's default",
         lo=1,
     )
-    global_batch: int = _f(16, "conversations per step, all processes", lo=1, hi=1 << 20)
-    eval_every: int = _f(50, "val loss every N steps", lo=1)
+    global_batch: int = _f(16, "conversations per step, all processes", lo=1, hi=1 << 20, not_with=TRY)
+    eval_every: int = _f(50, "val loss every N steps", lo=1, not_with=TRY)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)
     seed: int = _f(0, "seed for the adapter init, dropout and the data order", lo=0, hi=2**32 - 1)
     merge: bool = _f(False, "also export base+adapter merged, as a HF model in OUT/merged", not_with=TRY)
@@ -298,7 +342,7 @@ class TokenizeReportConfig(CorpusConfig):
     json: str | None = _f(
         None, "write the JSON report to this file instead of printing it", container=f"{CONTAINER_MODEL}/report.json"
     )
-    overwrite: bool = _f(False, "replace an existing --json file")
+    overwrite: bool = _f(False, "replace an existing --json file", needs=("json",))
 
 
 @dataclass

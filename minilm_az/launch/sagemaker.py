@@ -505,7 +505,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"input flag instead"
             )
     try:  # the script's own parser, here on the laptop: a typo must not cost an instance start-up
-        flags.check_args(cls, container_args({k: json.dumps(v) for k, v in args.hyperparameters.items()}))
+        # with the --out the job will have, as the script will see it (a --prompt, say, trains no job's output)
+        outs = {f: p for f, p in flags.container_paths(cls).items() if p != CHECKPOINT_LOCAL_PATH}
+        given = {**{f.replace("_", "-"): p for f, p in outs.items()}, **args.hyperparameters}
+        flags.check_args(cls, container_args({k: json.dumps(v) for k, v in given.items()}))
     except ValueError as e:
         parser.error(f"{STAGES[args.stage].script}: {e}")
     installed = installed_sdk()
