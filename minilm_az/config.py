@@ -54,8 +54,19 @@ def check_values(cfg) -> None:
             raise ValueError(
                 f"{_flag(f.name)} does nothing without {' or '.join(map(_flag, needs))}; drop it (it would be ignored)"
             )
-        if given and (used := [n for n in unused_with if getattr(cfg, n, None)]):
-            raise ValueError(f"{_flag(f.name)} does nothing with {_flag(used[0])}; drop it (it would be ignored)")
+        if given and (used := [n for n in unused_with if _mode_on(cfg, n)]):
+            raise ValueError(f"{_flag(f.name)} does nothing with {_mode(used[0])}; drop it (it would be ignored)")
+
+
+def _mode_on(cfg, mode: str) -> bool:
+    """A `not_with` entry: a field that is set ("eval_only"), or a field at one value ("lang=none", "quality=False")."""
+    name, eq, value = mode.partition("=")
+    return str(getattr(cfg, name, None)) == value if eq else bool(getattr(cfg, name, None))
+
+
+def _mode(mode: str) -> str:
+    name, _, value = mode.partition("=")
+    return f"--no-{name.replace('_', '-')}" if value == "False" else f"{_flag(name)} {value}".strip()
 
 
 # ---------------------------------------------------------------- train.py and finetune.py
@@ -121,7 +132,9 @@ class TrainConfig(LoopFlags):
         choices=(1, 2),
         not_with=("eval_only",),
     )
-    preset: str = _f("tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"))
+    preset: str = _f(
+        "tiny", "model shape when there is no --base-model", choices=("tiny", "llama3.2-1b"), not_with=("base_model",)
+    )
     base_model: str | None = _f(None, "Hugging Face model dir to start from", channel="base_model")
     base_tokenizer: str | None = _f(
         None,
@@ -165,7 +178,6 @@ class TrainConfig(LoopFlags):
         "sequences per optimizer step (gradient accumulation fills the gap)",
         lo=1,
         hi=1 << 20,
-        not_with=("eval_only",),
     )
     eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0, not_with=("eval_only",))
     eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)", lo=1)
@@ -200,6 +212,8 @@ class TrainConfig(LoopFlags):
 
     def __post_init__(self) -> None:
         check_values(self)
+        if self.steps and self.warmup and self.warmup > self.steps:  # the lr would never reach its peak
+            raise ValueError(f"--warmup {self.warmup} is longer than --steps {self.steps}")
         if self.eval_only and self.tensorboard and not self.out:  # its records would go to no file at all
             raise ValueError("--tensorboard with --eval-only needs --out, the directory its event files go to")
 
@@ -364,15 +378,21 @@ class TokenizeCleanConfig(CorpusConfig):
     overwrite: bool = _f(False, OVERWRITE)
     normalize: bool = _f(True, "NFC, control characters out, single spaces, stripped lines")
     lang: str = _f("az", "keep Azerbaijani (Latin script) by py3langid, or keep every language", choices=("az", "none"))
-    lang_threshold: float = _f(0.5, "least py3langid probability of az to keep a document", lo=0.0, hi=1.0)
+    lang_threshold: float = _f(
+        0.5, "least py3langid probability of az to keep a document", lo=0.0, hi=1.0, not_with=("lang=none",)
+    )
     quality: bool = _f(True, "Gopher/C4-style rules: length, word length, letters, symbols, repetition")
-    min_words: int = _f(5, "fewest whitespace words a document keeps (Gopher: 50 for web pages)", lo=0)
-    max_words: int = _f(100_000, "most whitespace words a document keeps", lo=1)
+    min_words: int = _f(5, "fewest whitespace words a document keeps (Gopher: 50)", lo=0, not_with=("quality=False",))
+    max_words: int = _f(100_000, "most whitespace words a document keeps", lo=1, not_with=("quality=False",))
     dedup: str = _f(
         "near", "exact: identical normalised text; near: also MinHash LSH", choices=("none", "exact", "near")
     )
     near_threshold: float = _f(
-        0.7, "estimated Jaccard (character 5-grams) that makes a near-duplicate", lo=0.05, hi=1.0
+        0.7,
+        "estimated Jaccard (character 5-grams) that makes a near-duplicate",
+        lo=0.05,
+        hi=1.0,
+        not_with=("dedup=none", "dedup=exact"),
     )
     dedup_memory_mb: int = _f(
         512, "RAM of the dedup indexes; past it they spill to OUT (a temp folder), with the same verdicts", lo=64
@@ -380,6 +400,13 @@ class TokenizeCleanConfig(CorpusConfig):
     workers: int | None = _f(None, "processes for normalise/lang/quality/hashing (default: CPUs)", lo=1)
     shard_mb: int = _f(256, "MB of text per clean-*.jsonl.gz file", lo=1)
     samples: int = _f(5, "removed documents kept per reason in clean_report.json, for a human to check", lo=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.quality and self.min_words > self.max_words:
+            raise ValueError(
+                f"--min-words {self.min_words} is above --max-words {self.max_words}: no document would stay"
+            )
 
 
 TOKENIZE_CONFIGS = {

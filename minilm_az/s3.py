@@ -11,6 +11,7 @@ objects, and a write probe at start.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 EXTRA = "pip install 'minilm-az[s3]' (s3torchconnector)"
@@ -42,8 +43,10 @@ def parse(uri: str) -> Location:
     """`s3://bucket/some/prefix/` -> Location; a URI without a bucket is refused."""
     rest = uri.removeprefix("s3://")
     bucket, _, prefix = rest.partition("/")
-    if not bucket or "//" in prefix:
+    if not bucket or "//" in rest:  # an empty segment is a key of its own on S3: "a//b" and "a/b" are two prefixes
         raise S3Error(f"{uri}: not an S3 prefix of the form s3://BUCKET/PREFIX")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        raise S3Error(f"{uri}: {bucket!r} is not an S3 bucket name (3-63 lower-case letters, digits, dots, hyphens)")
     return Location(bucket, prefix.strip("/"))
 
 

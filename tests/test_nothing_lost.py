@@ -353,6 +353,14 @@ ROWS = [
     ),
     Row("f5_seed_too_large", f"{TR} --seed 100000000000000000000000 {NEW}", "--seed"),
     Row("f5_prompt_spaces_only", "python finetune.py --model {M} --prompt '   '", "--prompt is empty"),
+    Row(
+        "f5_clean_threshold_of_a_filter_that_is_off",
+        f"python tokenize.py clean --corpus {KDE} --lang none --lang-threshold 0.9 --out {{W}}/c",
+        "--lang-threshold does nothing with --lang none",
+    ),
+    Row("f5_warmup_longer_than_steps", f"{TR} --warmup 100 {NEW}", "--warmup 100 is longer than --steps 2"),
+    Row("f5_preset_with_base_model", f"{TR} --base-model {{M}} --preset llama3.2-1b {NEW}", "--preset does nothing"),
+    Row("f5_s3_prefix_with_an_empty_segment", f"{TR} --checkpoint-dir s3://bucket//run {NEW}", "not an S3 prefix"),
     # 6. no file of an --eval-only without --out
     Row(
         "f6_eval_only_tensorboard_without_out",
