@@ -345,8 +345,12 @@ def test_the_write_probe_names_a_missing_bucket_and_a_missing_region_in_one_line
     assert "s3:PutObject" in str(missing.value)
     monkeypatch.delenv("AWS_REGION")
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
-    with pytest.raises(S3Error, match=r"^s3://b/run: no AWS region: set AWS_REGION"):
-        Store("s3://b/run")
+    with pytest.raises(S3Error, match=r"^s3://bkt/run: no AWS region: set AWS_REGION"):
+        Store("s3://bkt/run")
+    with pytest.raises(S3Error, match=r"^s3://Bad_Bucket/run: 'Bad_Bucket' is not an S3 bucket name"):
+        Store("s3://Bad_Bucket/run")  # refused before any request, not a client's dump of a 404
+    with pytest.raises(S3Error, match=r"^s3://bkt//run: not an S3 prefix"):
+        Store("s3://bkt//run")  # "bkt//run" and "bkt/run" are two prefixes on S3
 
 
 # ---------------------------------------------------------------------------------------------
