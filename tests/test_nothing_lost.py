@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from test_bad_inputs import CHAT, KDE, ROOT, SMALL, SMALL_FT, _argv, _clean_env, own_tracebacks
+from test_bad_inputs import CHAT, KDE, ROOT, SMALL, SMALL_FT, Result, _argv, _clean_env, own_tracebacks
 
 ROW_TIMEOUT = 300
 TR = f"python train.py --phase 2 --preset tiny --tokenizer {{T}} --data {{S}} {SMALL}"  # how M was made
@@ -404,22 +404,6 @@ ROWS = [
 
 
 # ---------------------------------------------------------------- running the rows
-
-
-@dataclasses.dataclass
-class Result:
-    row: Row
-    paths: dict
-    argv: list
-    rc: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    before: dict = dataclasses.field(default_factory=dict)
-    after: dict = dataclasses.field(default_factory=dict)
-
-    def explain(self) -> str:
-        out = f"\n--- stdout\n{self.stdout[-2500:]}\n--- stderr\n{self.stderr[-2500:]}"
-        return f"\n$ {shlex.join(self.argv)}\nrc={self.rc}{out}"
 
 
 def _run(cmd: str, **paths) -> None:
