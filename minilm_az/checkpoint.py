@@ -235,7 +235,7 @@ class Checkpointer:
         self._pending = None  # (step, name, future or None)
         self._group = self._writer = None
         self._error: str | None = None  # why this rank's pending write failed, once it has
-        if async_save:
+        if async_save or dist.is_initialized():  # a CPU group for the error flags too: NCCL takes no CPU tensors
             self._group = dist.new_group(backend="gloo")
         token = [secrets.token_hex(4)]  # one per run: with the step, a name no earlier save attempt can have had
         if dist.is_initialized() and proc.world_size > 1:

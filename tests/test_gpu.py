@@ -184,3 +184,29 @@ def test_liger_flce_chunk_sizing_changes_only_the_sum_order(monkeypatch):
     torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
     for x, y in zip(ga, gb, strict=True):
         assert (x.float() - y.float()).norm() / y.float().norm() < 1e-2
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_saves_and_resumes_on_cuda(group, tmp_path, async_save):
+    # On CUDA the training job's default group is NCCL, which takes no CPU tensors: the Checkpointer's own
+    # collectives (error flags, barriers) must run on its gloo group in a sync save as in an async one.
+    from minilm_az.checkpoint import open_checkpoints
+
+    x = torch.randint(0, TINY.vocab_size, (4, 65), device=DEV, generator=torch.Generator(DEV).manual_seed(3))
+    m = _sharded(kernels.TORCH_OPS)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    for _ in range(2):
+        m(x[:, :-1], targets=x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    ck = open_checkpoints(str(tmp_path), group, keep=2, async_save=async_save)
+    ck.save(2, m, opt, {"steps": 2})
+    ck.close()
+    m2 = _sharded(kernels.TORCH_OPS, seed=1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, fused=True)
+    ck2 = open_checkpoints(str(tmp_path), group, keep=2, async_save=async_save)
+    step, _ = ck2.resume(m2, opt2, {}, {}, print, steps=10)
+    ck2.close()
+    assert step == 2
+    for (name, a), b in zip(m.state_dict().items(), m2.state_dict().values(), strict=True):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), atol=0, rtol=0, msg=name)
