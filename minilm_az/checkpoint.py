@@ -1,7 +1,8 @@
-"""Training checkpoints (DCP): saves that survive per-host sync, manifests, `resume`, and the loop's `RunControl`.
+"""Training checkpoints (DCP) on one disk or on S3, manifests, `resume`, and the loop's `RunControl`.
 
 A save is written with `torch.distributed.checkpoint` into a staging dir, each rank then writes a manifest of its
 files (sizes, sha256), and the dir is renamed into place (`Checkpointer`, synchronous or in the background);
+on S3 every rank's objects, then a commit object (`S3Checkpointer`);
 `Checkpointer.resume` loads the newest checkpoint whose every manifest is present and matches, agreed by all
 ranks; `RunControl` decides when the loop saves and stops. Nothing in a checkpoint is unpickled freely: DCP's
 `.metadata` admits only DCP's own classes, everything else loads with weights_only=True. Model weights in and
@@ -48,13 +49,13 @@ class CheckpointError(ValueError):
 #                                    rng-0000R.safetensors, and manifest-0000R.json listing R's files
 # ckpt_dir/step-00001000-3fa9c2d1.sagemaker-ignore/   the same save while it is written
 #
-# On SageMaker every host syncs its own checkpoint dir to one S3 prefix, independently and in its own order,
-# deletions included, and a restarted job starts from whatever the prefix holds (tests/s3_sync.py models it).
-# Three rules make that safe. A save never reuses a dir name (the step and a token drawn once per run), so no
-# host's deletion of an old attempt can remove another host's upload of a new one. A save is written under
-# SageMaker's ignore suffix, which its agent never uploads, and renamed once written: the agent uploads finished
-# files only, and no temporary ones. A checkpoint counts only when every rank's manifest is present and every
-# file matches it, so the order in which the files reached S3 does not matter.
+# The dir is one disk every rank sees: one host's, or a file system all hosts share (several hosts with disks of
+# their own are refused at start; they checkpoint to s3://). Rank 0 renames a save into place once every rank's
+# write returned, so a step dir is whole when it exists, and the manifests (sizes, sha256) still catch what
+# happens to files afterwards: a copy that stopped short, a flipped byte. A save never reuses a dir name (the
+# step and a token drawn once per run), so a resumed run's new attempt at a step never meets an old one's files.
+# The staging suffix is the one SageMaker's checkpoint sync skips, so that a job whose own estimator syncs this dir
+# uploads finished saves only; nothing here depends on that sync.
 
 _STEP_DIR = re.compile(r"step-(\d+)(-\w+)?")  # what this version writes, and anything else named like it
 # The names this code makes: pruning removes only these, never a name a user gave a checkpoint (step-...-best).
@@ -335,17 +336,10 @@ class Checkpointer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if flag.item():
             raise self._not_written(step, error or "failed on another rank")
-        # Now complete on every rank. One rename per disk: rank 0 first; then local rank 0 of any host that still
-        # sees the staging dir has a disk of its own (as on SageMaker) and renames there. Each renamer prunes.
-        renamed = self.proc.rank == 0 and os.path.isdir(tmp)
-        if renamed:
-            os.replace(tmp, final)
-        self._barrier()
-        if self.proc.rank != 0 and self.proc.local_rank == 0 and os.path.isdir(tmp):
-            os.replace(tmp, final)
-            renamed = True
+        # Now complete on every rank: rank 0 renames it into place on the one disk they all see, and prunes.
         self.kept = [*self.kept, name][-self.keep :]
-        if renamed:
+        if self.proc.rank == 0:
+            os.replace(tmp, final)
             _prune(self.ckpt_dir, self.kept)
         self._barrier()
         return final
