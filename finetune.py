@@ -30,7 +30,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
-from minilm_az.outputs import atomic_write_json, check_finished, check_not_input, file_sha256, own_subdir
+from minilm_az.outputs import atomic_write_json, check_not_input, file_sha256, own_subdir
 from minilm_az.prep.chat_data import chat_files, encode_all, read_chat_files
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
@@ -172,7 +172,7 @@ def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} only {mcfg.vocab_size} rows")
     max_len = min(cfg.max_seq_len, mcfg.max_seq_len)
     data = load_data(cfg, tok, max_len, log)
-    log.log("config", **dataclasses.asdict(cfg))  # after the data is read: a run refused there leaves no file
+    log.log("config", **dataclasses.asdict(cfg))  # held until Checkpointer.start: a refused run writes no line
     return tok, max_len, *data
 
 
@@ -188,7 +188,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
     tok, max_len, examples, val = parallel.agree(lambda: load_inputs(cfg, log), proc)  # one host's problem stops all
     must, may = run_identity(cfg)  # then --out is this run's, and a second run into it is refused
-    fresh = checkpoint.claim_run(cfg.out, cfg.checkpoint_dir, "finetune.py", cfg, must, proc, log)
+    fresh = checkpoint.claim_run(cfg.out, cfg.checkpoint_dir, "finetune.py", cfg, must, proc)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, proc, log)
@@ -197,10 +197,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     ckpt = checkpoint.open_checkpoints(cfg.checkpoint_dir, proc, cfg.keep_checkpoints, cfg.async_checkpoint)
     state = dict(model=model, optimizer=opt, train_state={**must, **may})  # the adapter, its optimizer, the RNG
     control = checkpoint.RunControl(ckpt, proc, state, cfg.checkpoint_every, cfg.checkpoint_minutes, log)
-    start = ckpt.start(model, opt, must, may, log.info, steps, fresh, cfg.overwrite)
-    if not start and not fresh:  # nothing to continue from: a finished adapter is replaced only with --overwrite
-        mine = cfg.out if proc.is_main else None
-        parallel.agree(lambda: check_finished(mine, cfg.overwrite, cfg.checkpoint_dir), proc)
+    start = ckpt.start(model, opt, must, may, log, steps, fresh, cfg.overwrite, cfg.out)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     elif val:

@@ -31,7 +31,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error, throughput, ticker
 from minilm_az.model import get_preset, materialize, meta_model
 from minilm_az.optim import adamw, cosine_lr, set_lr
-from minilm_az.outputs import check_finished, check_not_input, describe
+from minilm_az.outputs import check_not_input, describe
 from minilm_az.prep import readers
 from minilm_az.shards import TokenStream, check_tokenizer, load_index
 from minilm_az.transfer import transfer_embedding
@@ -172,7 +172,8 @@ def eval_only(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> Non
     need_dir(plan.flags.base_model, "--base-model", "the model to evaluate")
     tok = tk.load_tokenizer(need_dir(plan.flags.tokenizer, "--tokenizer", "the model's own tokenizer"))
     must = {"model": model_fingerprint(plan.flags.base_model), "text": plan.flags.eval_text}
-    checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc, log)
+    checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc)
+    log.open()  # nothing refuses an evaluation after its claim
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log)
     log.log("eval", step=0, **evaluate(model, eval_tokens(plan, tok), tk.token_byte_lengths(tok), plan, proc, log, 0))
 
@@ -219,7 +220,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     flags = plan.flags
     tok, stream, val = parallel.agree(lambda: load_inputs(plan, proc), proc)
     must, may = run_identity(plan)  # then --out is this run's, and a second run into it is refused
-    fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc, log)
+    fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc)
     record = dataclasses.asdict(plan)
     log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)
@@ -231,9 +232,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     ckpt = checkpoint.open_checkpoints(ckpt_dir, proc, flags.keep_checkpoints, flags.async_checkpoint)
     state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
     control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)
-    start = ckpt.start(model, optimizer, must, may, log.info, plan.steps, fresh, flags.overwrite)
-    if not start and not fresh:  # nothing to continue from: a finished export is replaced only with --overwrite
-        parallel.agree(lambda: check_finished(plan.out if proc.is_main else None, flags.overwrite, ckpt_dir), proc)
+    start = ckpt.start(model, optimizer, must, may, log, plan.steps, fresh, flags.overwrite, plan.out)
     if start:
         log.log("resume", **{"from": ckpt.last()}, step=start)
     else:

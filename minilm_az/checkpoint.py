@@ -419,11 +419,20 @@ class Checkpointer:
             )
         return 0, None
 
-    def start(self, model, optimizer, must: dict, may: dict, warn, steps: int, fresh: bool, overwrite: bool) -> int:
-        """The step this run starts from: a resumed checkpoint's, or 0 when `fresh`. A fresh run removes the
-        checkpoints of an earlier run with --overwrite and is refused without it (its first save would prune them)."""
-        if not fresh:
-            return self.resume(model, optimizer, must, may, warn, steps)[0]
+    def start(self, model, optimizer, must: dict, may: dict, log, steps: int, fresh: bool, overwrite: bool, out) -> int:
+        """The step this run starts from: a resumed checkpoint's, or 0. Not fresh, with none to continue from, a
+        finished output in `out` is replaced only with --overwrite. The log's file opens after every refusal: a
+        refused run appends nothing to its metrics.jsonl (the logger holds its records until then)."""
+        step = self._fresh(overwrite) if fresh else self.resume(model, optimizer, must, may, log.info, steps)[0]
+        if not fresh and not step:
+            mine = out if self.proc.is_main else None
+            agree(lambda: outputs.check_finished(mine, overwrite, self.ckpt_dir), self.proc)
+        log.open()
+        return step
+
+    def _fresh(self, overwrite: bool) -> int:
+        """A fresh run removes an earlier run's checkpoints with --overwrite; without it, it is refused (its first
+        save would prune them)."""
         names = _agreed(step_dirs(self.ckpt_dir), self.ckpt_dir, self.proc)
         if names and not overwrite:
             raise CheckpointError(
@@ -669,9 +678,7 @@ class S3Checkpointer(Checkpointer):
             )
         return 0, None
 
-    def start(self, model, optimizer, must: dict, may: dict, warn, steps: int, fresh: bool, overwrite: bool) -> int:
-        if not fresh:
-            return self.resume(model, optimizer, must, may, warn, steps)[0]
+    def _fresh(self, overwrite: bool) -> int:
         names = _agreed(sorted(self._listing()), self.ckpt_dir, self.proc)
         if names and not overwrite:
             raise CheckpointError(
@@ -692,9 +699,9 @@ def _first_error_in(error: str | None, group) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> bool:
+def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process) -> bool:
     """The writer rank takes --out for this run and locks its checkpoint dir (outputs.claim's rule; the locks are
-    held until the process ends), then the log's file opens. Collective. Returns whether this run starts fresh."""
+    held until the process ends). Collective. Returns whether this run starts fresh (then Checkpointer.start)."""
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
     # A checkpoint dir the user did not name lies under --out: errors about it name the flag the user gave.
     flag = "--checkpoint-dir" if getattr(flags, "checkpoint_dir", None) else "--out"
@@ -719,7 +726,6 @@ def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, pro
     elif out is not None:
         agree(lambda: outputs.check_writable(ckpt_dir, flag), proc)  # host's own disk must take saves
         _check_shared(ckpt_dir, proc)
-    log.open()
     return flags.resume == "never" or bool(_on_rank0(lambda: replacing, proc.rank))
 
 

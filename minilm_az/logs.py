@@ -154,8 +154,8 @@ def print_error(prog: str, error: BaseException | str) -> None:
 class MetricLogger:
     """Prints key=value lines (rank 0 only) and appends them to `metrics.jsonl`, which a resume extends. With a
     `tensorboard` dir, the numbers of each record that has a step are also TensorBoard scalars, `KIND/KEY`.
-    Records are held in memory until open(), which the run calls once its output dir is its own (outputs.claim),
-    so a run refused by its checks leaves no file behind, and none lands in a directory that is not the run's."""
+    Records are held in memory until open(), which the run calls once its output dir is its own and no check can
+    refuse it (Checkpointer.start): a refused run writes no line, and none lands in a directory not the run's."""
 
     def __init__(self, jsonl: str | None, enabled: bool = True, stream: TextIO | None = None, tensorboard=None):
         self.enabled, self.stream, self.jsonl, self.tensorboard = enabled, stream or sys.stdout, jsonl, tensorboard
