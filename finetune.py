@@ -224,12 +224,14 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
             break
     control.close()
     if not control.stopping:
-        save(model, cfg, tok, proc, log, time.time() - t0)
+        save(model, cfg, tok, proc, log, time.time() - t0, must["model"])
 
 
-def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLogger, seconds: float) -> None:
-    """The adapter (every rank gathers, rank 0 writes), the tokenizer beside it, then the optional merged model."""
-    lora.save_adapter(model, cfg.out, base_model_name_or_path=os.path.abspath(cfg.model), is_writer=proc.is_main)
+def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLogger, seconds: float, base_id: str):
+    """The adapter (every rank gathers, rank 0 writes; it records its base by content, `base_id`), the tokenizer
+    beside it, then the optional merged model."""
+    base = dict(base_model_name_or_path=os.path.abspath(cfg.model), identity=base_id)
+    lora.save_adapter(model, cfg.out, **base, is_writer=proc.is_main)
     if proc.is_main:
         copy_tokenizer_files(cfg.tokenizer, cfg.out)
         atomic_write_json(os.path.join(cfg.out, "finetune_args.json"), dataclasses.asdict(cfg))
@@ -260,7 +262,7 @@ def try_model(cfg: FinetuneConfig) -> None:
     tok = load_tokenizer(cfg.tokenizer)
     model = load_pretrained(cfg.model, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if cfg.adapter:
-        lora.load_adapter(model, cfg.adapter, dropout=0.0)
+        lora.load_adapter(model, cfg.adapter, dropout=0.0, base=cfg.model)  # refused on another base
         model.to(next(model.parameters()).dtype)
     print(f"# model {cfg.model}" + (f" + adapter {cfg.adapter}" if cfg.adapter else " (no adapter)"), file=sys.stderr)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)

@@ -420,9 +420,8 @@ class Checkpointer:
         return 0, None
 
     def start(self, model, optimizer, must: dict, may: dict, log, steps: int, fresh: bool, overwrite: bool, out) -> int:
-        """The step this run starts from: a resumed checkpoint's, or 0. Not fresh, with none to continue from, a
-        finished output in `out` is replaced only with --overwrite. The log's file opens after every refusal: a
-        refused run appends nothing to its metrics.jsonl (the logger holds its records until then)."""
+        """The step this run starts from (a checkpoint's, or 0); a finished `out` with none to continue from is refused
+        without --overwrite. The log's file opens after every refusal: a refused run writes no line to it."""
         step = self._fresh(overwrite) if fresh else self.resume(model, optimizer, must, may, log.info, steps)[0]
         if not fresh and not step:
             mine = out if self.proc.is_main else None
@@ -431,8 +430,7 @@ class Checkpointer:
         return step
 
     def _fresh(self, overwrite: bool) -> int:
-        """A fresh run removes an earlier run's checkpoints with --overwrite; without it, it is refused (its first
-        save would prune them)."""
+        """Remove an earlier run's checkpoints with --overwrite; refused without (its first save would prune them)."""
         names = _agreed(step_dirs(self.ckpt_dir), self.ckpt_dir, self.proc)
         if names and not overwrite:
             raise CheckpointError(

@@ -173,12 +173,7 @@ class TrainConfig(LoopFlags):
         "sequences per GPU per forward (default: the largest <= 14 that divides the global batch's share of each GPU)",
         lo=1,
     )
-    global_batch: int = _f(
-        224,
-        "sequences per optimizer step (gradient accumulation fills the gap)",
-        lo=1,
-        hi=1 << 20,
-    )
+    global_batch: int = _f(224, "sequences per optimizer step (gradient accumulation fills the gap)", lo=1, hi=1 << 20)
     eval_every: int = _f(500, "evaluate val BPB every N steps (0: only at the end)", lo=0, not_with=("eval_only",))
     eval_batches: int | None = _f(None, "cap on val micro-batches per evaluation (default: the whole val split)", lo=1)
     log_every: int = _f(10, "print a metrics line every N steps", lo=1)

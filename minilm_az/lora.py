@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from minilm_az.hf import open_safetensors
+from minilm_az.hf import model_fingerprint, open_safetensors
 from minilm_az.outputs import read_json, staged_output
 from minilm_az.parallel import copy_into, full_tensor
 
@@ -69,10 +70,7 @@ class LoRALinear(nn.Module):
 
         Drawn whole from a seeded generator and sharded afterwards, so every process count gives the same A.
         """
-        gen = None
-        if seed is not None:
-            gen = torch.Generator()
-            gen.manual_seed(seed)
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
         full = torch.empty(self.lora_A.shape, dtype=torch.float32)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
         copy_into(self.lora_A, full.to(self.lora_A.device))
@@ -105,8 +103,7 @@ def draw_seed() -> int:
 
 def keep_mask(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """Dropout's keep mask for `x` (True with probability 1 - p), the same every time for the same seed."""
-    gen = torch.Generator(device=x.device)
-    gen.manual_seed(seed)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
     return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1 - p, generator=gen)
 
 
@@ -245,11 +242,12 @@ def _base_fingerprint(model: nn.Module) -> dict:
 
 
 def save_adapter(
-    model: nn.Module, path: str, base_model_name_or_path: str | None = None, is_writer: bool = True
+    model: nn.Module, path: str, base_model_name_or_path: str | None = None, is_writer: bool = True, identity: str = ""
 ) -> None:
     """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT's format) into `path`, atomically.
 
-    The base model's shape is kept in the safetensors metadata, so `load_adapter` can refuse another base.
+    The base's shape and `identity` (by content) are in the safetensors metadata (PEFT's config takes no field of
+    ours), so `load_adapter` can refuse another base.
     """
     lc = getattr(model, "lora_config", None)
     if lc is None:
@@ -280,7 +278,7 @@ def save_adapter(
         save_file(
             tensors,
             os.path.join(tmp, WEIGHTS_FILE),
-            metadata={"format": "pt", "minilm_az.base": json.dumps(_base_fingerprint(model), sort_keys=True)},
+            metadata={"format": "pt", "minilm_az.base": json.dumps({**_base_fingerprint(model), "identity": identity})},
         )
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
@@ -309,8 +307,8 @@ def read_adapter_config(path: str) -> dict:
     return cfg
 
 
-def _check_base(model: nn.Module, meta: dict, wfile: str) -> None:
-    """Refuse an adapter whose safetensors metadata names another base shape (PEFT's own files have none)."""
+def _check_base(model: nn.Module, meta: dict, wfile: str, base: str | None, trained_on: str | None) -> None:
+    """Refuse an adapter whose metadata (PEFT's files have none) names another base: shape, or content given `base`."""
     if "minilm_az.base" not in meta:
         return
     try:
@@ -323,12 +321,19 @@ def _check_base(model: nn.Module, meta: dict, wfile: str) -> None:
     diff = {k: (theirs[k], ours[k]) for k in theirs if k in ours and theirs[k] != ours[k]}
     if diff:
         raise AdapterError(f"{wfile}: adapter was trained on a different base model (adapter vs this model: {diff})")
+    if base and not theirs.get("identity"):  # saved before identities were recorded: its shape is all there is
+        print(f"warning: {wfile} records no identity of its base; only the shape of {base} is checked", file=sys.stderr)
+    elif base and theirs["identity"] != (now := model_fingerprint(base)):
+        raise AdapterError(
+            f"{os.path.dirname(wfile)}: adapter trained on {trained_on} ({str(theirs['identity'])[:12]}), "
+            f"not on {base} ({now[:12]}): the same shape, other weights; apply it to the model it was trained on"
+        )
 
 
-def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> list[str]:
+def load_adapter(model: nn.Module, path: str, dropout: float | None = None, base: str | None = None) -> list[str]:
     """Inject LoRA as the adapter's config says and load its tensors; returns the module names.
 
-    Raises AdapterError naming the file and tensor when the adapter was made for another base model.
+    Raises AdapterError naming the file when the adapter was made for another base (given `base`, its dir: by content).
     """
     cfg = read_adapter_config(path)
     wfile = os.path.join(path, WEIGHTS_FILE)
@@ -339,7 +344,7 @@ def load_adapter(model: nn.Module, path: str, dropout: float | None = None) -> l
     with open_safetensors(wfile, AdapterError, "retrain or re-download the adapter") as f:
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    _check_base(model, meta, wfile)
+    _check_base(model, meta, wfile, base, cfg.get("base_model_name_or_path"))
     if not hasattr(model, "lora_config"):
         try:
             apply_lora(

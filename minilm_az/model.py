@@ -240,8 +240,7 @@ class Llama(nn.Module):
                 p.fill_(1.0)
                 continue
             s = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-            gen = torch.Generator(device=p.device)
-            gen.manual_seed((seed or 0) * 1_000_003 + i)
+            gen = torch.Generator(device=p.device).manual_seed((seed or 0) * 1_000_003 + i)
             full = torch.empty(p.shape, device=p.device, dtype=torch.float32).normal_(0.0, s, generator=gen)
             copy_into(p, full)  # the same numbers on any world size: each rank keeps its shard
 

@@ -215,6 +215,33 @@ def corpus_fifo(fx, w):
     return {"X": os.path.join(w, "pipe.txt")}
 
 
+def another_base_of_the_same_shape(fx, w):
+    """A copy of M with one weight byte changed: the same shape, the same tokenizer, another model."""
+    x = _copy(fx["M"], os.path.join(w, "other"))
+    with open(os.path.join(x, "model.safetensors"), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(x, "model.safetensors")) // 2)
+        f.write(b"\x01" if f.read(1) != b"\x01" else b"\x02")
+    return {"X": x}
+
+
+def adapter_without_identity(fx, w):
+    """A copy of A as adapters were saved before they recorded their base by content: its shape alone."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    x = _copy(fx["A"], os.path.join(w, "adapter"))
+    path = os.path.join(x, "adapter_model.safetensors")
+    with safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    base = {k: v for k, v in json.loads(meta["minilm_az.base"]).items() if k != "identity"}
+    save_file(tensors, path, metadata={**meta, "minilm_az.base": json.dumps(base, sort_keys=True)})
+    return {"X": x}
+
+
+def check_identity_warning(r):
+    assert "records no identity of its base" in r.stderr, r.explain()
+
+
 def check_user_file_stays(r):
     assert "export dir=" in r.stdout, r.stdout[-2000:]
     with open(os.path.join(r.paths["X"], "tensorboard", "notes.txt")) as f:
@@ -319,6 +346,19 @@ ROWS = [
         "{BIN}: token 0 is id 420",
         prep=id_past_vocab_val,
         changes=("{W}/new",),
+    ),
+    Row(  # an adapter records its base by content: another base of the same shape is refused, naming both
+        "f4_adapter_on_another_base_of_the_same_shape",
+        "python finetune.py --model {X} --adapter {A} --prompt Salam --max-new-tokens 2",
+        "{A}: adapter trained on {M} (",
+        prep=another_base_of_the_same_shape,
+    ),
+    Row(  # one saved before adapters recorded it still loads, with a warning line
+        "f4_adapter_saved_without_its_base_identity_loads",
+        "python finetune.py --model {M} --adapter {X} --prompt Salam --max-new-tokens 2",
+        code=0,
+        prep=adapter_without_identity,
+        check=check_identity_warning,
     ),
     Row(
         "f4_model_without_tokenizer_json",
