@@ -50,18 +50,18 @@ class Process:
         return self.rank == 0
 
 
-def env_number(name: str, default: float, kind: type = int, lo: float = 0) -> float:
-    """The environment variable `name` as a finite number: an int >= `lo`, or a float > `lo`; `default` when unset.
-    Anything else is one ValueError naming the variable: torchrun, a shell or a job's settings may set it."""
-    raw = os.environ.get(name, "").strip()
-    if raw == "":
+def env_number(name: str, default: float, kind: type = int, lo: float = 0, hi: float = 2**31 - 1) -> float:
+    """The environment variable `name` as a number up to `hi` (a C int: torch and OpenMP take no more): an int >=
+    `lo`, or a float > `lo`; `default` when unset. Anything else, empty too, is one ValueError naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
         return default
     try:
-        value = kind(raw)
+        value = kind(raw.strip())
     except ValueError:
         value = None
-    if value is None or not math.isfinite(value) or value < lo or (kind is float and value == lo):
-        what = f"a whole number >= {lo:g}" if kind is int else f"a number of seconds > {lo:g}"
+    if value is None or not math.isfinite(value) or not lo <= value <= hi or (kind is float and value == lo):
+        what = f"a whole number from {lo:g} to {hi:,}" if kind is int else f"a number of seconds > {lo:g}, <= {hi:,}"
         raise ValueError(f"environment variable {name}={raw!r} is not {what}; set it so, or unset it")
     return value
 

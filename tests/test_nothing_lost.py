@@ -377,8 +377,8 @@ ROWS = [
     *(
         Row(f"f5_env_{var.lower()}_{i}", f"{TR} {NEW}", var, env={var: value})
         for var, values in (
-            ("MINILM_AZ_COLLECTIVE_TIMEOUT_S", ("abc", "inf", "-5")),
-            ("OMP_NUM_THREADS", ("0", "4,2")),
+            ("MINILM_AZ_COLLECTIVE_TIMEOUT_S", ("abc", "inf", "-5", "1e300")),  # 1e300: a traceback (C int)
+            ("OMP_NUM_THREADS", ("0", "4,2", "", "999999999999")),  # "": libgomp's line alone; a C int's overflow
             ("WORLD_SIZE", ("abc",)),
         )
         for i, value in enumerate(values)
