@@ -188,7 +188,7 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
     torch.manual_seed(cfg.seed * 1000 + proc.rank)  # dropout masks differ per rank
     tok, max_len, examples, val = parallel.agree(lambda: load_inputs(cfg, log), proc)  # one host's problem stops all
     must, may = run_identity(cfg)  # then --out is this run's, and a second run into it is refused
-    fresh = checkpoint.claim_run(cfg.out, cfg.checkpoint_dir, "finetune.py", cfg, must, proc)
+    fresh = checkpoint.claim_run(cfg.out, cfg.checkpoint_dir, "finetune.py", cfg, must, proc, log)
     pad_id = tok.token_to_id(PAD) or 0
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(examples) / cfg.global_batch))
     model = build(cfg, proc, log)

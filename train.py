@@ -172,7 +172,7 @@ def eval_only(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> Non
     need_dir(plan.flags.base_model, "--base-model", "the model to evaluate")
     tok = tk.load_tokenizer(need_dir(plan.flags.tokenizer, "--tokenizer", "the model's own tokenizer"))
     must = {"model": model_fingerprint(plan.flags.base_model), "text": plan.flags.eval_text}
-    checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc)
+    checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc, log)
     log.open()  # nothing refuses an evaluation after its claim
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log)
     log.log("eval", step=0, **evaluate(model, eval_tokens(plan, tok), tk.token_byte_lengths(tok), plan, proc, log, 0))
@@ -220,7 +220,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     flags = plan.flags
     tok, stream, val = parallel.agree(lambda: load_inputs(plan, proc), proc)
     must, may = run_identity(plan)  # then --out is this run's, and a second run into it is refused
-    fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc)
+    fresh = checkpoint.claim_run(plan.out, plan.checkpoint_dir, "train.py", flags, must, proc, log)
     record = dataclasses.asdict(plan)
     log.log("config", **{**record.pop("flags"), **record})  # the flags, with the values this run resolved
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log, tok)

@@ -697,14 +697,13 @@ def _first_error_in(error: str | None, group) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process) -> bool:
+def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, proc: Process, log) -> bool:
     """The writer rank takes --out for this run and locks its checkpoint dir (outputs.claim's rule; the locks are
     held until the process ends). Collective. Returns whether this run starts fresh (then Checkpointer.start)."""
     run = hashlib.sha256(json.dumps(must, sort_keys=True).encode()).hexdigest()[:16]
     # A checkpoint dir the user did not name lies under --out: errors about it name the flag the user gave.
     flag = "--checkpoint-dir" if getattr(flags, "checkpoint_dir", None) else "--out"
     logs = ("metrics.jsonl", "tensorboard")
-
     on_s3 = s3.is_s3(ckpt_dir)
 
     def take() -> bool:
@@ -713,6 +712,9 @@ def claim_run(out: str | None, ckpt_dir: str, stage: str, flags, must: dict, pro
         above = None if on_s3 or outputs.inside(out, ckpt_dir) else outputs.output_above(ckpt_dir)
         if above:  # another run's output, a model, shards: their files are not this run's to prune
             raise outputs.OutputError(f"{flag} {ckpt_dir} is inside {above}, an output this run does not own")
+        for path, kind in ((log.jsonl, "a file"), (log.tensorboard, "a directory")):  # before the claim removes any
+            if path and (found := outputs.describe(path)) not in (kind, "not there"):  # file: said as what it is
+                raise outputs.OutputError(f"{outputs.shown(path)} is {found}, expected {kind} for the run's log")
         _, replacing = outputs.claim(out, stage, flags.overwrite, run, logs, flags.resume == "auto")
         if not on_s3 and os.path.realpath(ckpt_dir) != os.path.realpath(out):  # inside --out too: another run may
             outputs.lock_dir(ckpt_dir, flag)  # name it

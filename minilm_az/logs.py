@@ -168,17 +168,17 @@ class MetricLogger:
             self._write(record)
 
     def _write(self, record: str) -> None:
-        if self.jsonl and self.file is None:  # made at the first record, in a directory the run owns
-            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
-            self.file = open(self.jsonl, "a", encoding="utf-8")
-        if self.file is not None:
-            try:
+        try:
+            if self.jsonl and self.file is None:  # made at the first record, in a directory the run owns
+                os.makedirs(os.path.dirname(os.path.abspath(self.jsonl)), exist_ok=True)
+                self.file = open(self.jsonl, "a", encoding="utf-8")
+            if self.file is not None:
                 self.file.write(record)
                 self.file.flush()
-            except OSError as e:  # a full disk, say: the path and the free space, not a traceback from the loop
-                from minilm_az.outputs import write_error  # outputs imports nothing from here; kept local anyway
+        except OSError as e:  # a full disk, no permission: the path, the reason and the free space in one line
+            from minilm_az.outputs import write_error  # outputs imports nothing from here; kept local anyway
 
-                raise write_error(self.jsonl, e) from None
+            raise write_error(self.jsonl, e) from None
 
     def log(self, stream: str, **metrics: Any) -> None:
         if not self.enabled:

@@ -238,6 +238,27 @@ def adapter_without_identity(fx, w):
     return {"X": x}
 
 
+def _log_path_as(src: str, name: str, kind: str):
+    """A copy of fixture `src` where its `name` (metrics.jsonl, tensorboard) is a `kind` ("dir" or "file") of a
+    user's, holding a note."""
+
+    def prep(fx, w):
+        x = _copy(fx[src], os.path.join(w, "run"))
+        path = os.path.join(x, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        if kind == "dir":
+            os.makedirs(path)
+            path = os.path.join(path, "notes.txt")
+        with open(path, "w") as f:
+            f.write("mine\n")
+        return {"X": x}
+
+    return prep
+
+
 def check_identity_warning(r):
     assert "records no identity of its base" in r.stderr, r.explain()
 
@@ -440,6 +461,24 @@ ROWS = [
         prog="python -m demo",
     ),
     Row("f8_prompt_empty", 'python finetune.py --model {M} --prompt ""', "--prompt is empty"),
+    Row(  # said as what was found, before the claim removes or writes anything (not "[Errno 21] Is a directory")
+        "f8_metrics_jsonl_is_a_directory",
+        f"{TR} --out {{X}}",
+        "{X}/metrics.jsonl is a directory, expected a file",
+        prep=_log_path_as("M", "metrics.jsonl", "dir"),
+    ),
+    Row(
+        "f8_finetune_metrics_jsonl_is_a_directory",
+        f"{FT} --out {{X}}",
+        "{X}/metrics.jsonl is a directory, expected a file",
+        prep=_log_path_as("A", "metrics.jsonl", "dir"),
+    ),
+    Row(  # not "[Errno 17] File exists" after the resume
+        "f8_tensorboard_is_a_file",
+        f"{TR} --tensorboard --out {{X}}",
+        "{X}/tensorboard is a file, expected a directory",
+        prep=_log_path_as("M", "tensorboard", "file"),
+    ),
     Row(
         "f8_checkpoints_is_a_file",
         f"{TR} --out {{X}}",
