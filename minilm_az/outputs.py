@@ -524,7 +524,9 @@ def write_error(path: str, e: BaseException) -> OSError:
     while not os.path.exists(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where) or "."
     free = shutil.disk_usage(where).free
-    reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    code = re.search(r"os error (\d+)|code: (\d+)", str(e))  # safetensors' Rust text: its errno, said as the OS says
+    text = os.strerror(int(code[1] or code[2])) if code else (str(e).splitlines() or [type(e).__name__])[0]
+    reason = getattr(e, "strerror", None) or text
     space = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
     return OSError(f"{path}: cannot write the output ({reason}; {space} free there)")
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import pytest
 from test_bad_inputs import CHAT, KDE, ROOT, SMALL, SMALL_FT, Result, _argv, _clean_env, own_tracebacks
+from test_ownership import _tmpfs_works
 
 ROW_TIMEOUT = 300
 TR = f"python train.py --phase 2 --preset tiny --tokenizer {{T}} --data {{S}} {SMALL}"  # how M was made
@@ -556,7 +557,10 @@ def results(request, fx, tmp_path_factory) -> dict[str, Result]:
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_nothing_lost(row: Row, results):
-    r = results[row.id]
+    check_row(row, results[row.id])
+
+
+def check_row(row: Row, r: Result) -> None:
     fmt = lambda s: s.format(**r.paths)  # noqa: E731
     assert r.rc == row.code, f"exit code {r.rc}, expected {row.code}" + r.explain()
     assert "Traceback" not in r.stderr + r.stdout and not own_tracebacks(r.stderr), "a traceback" + r.explain()
@@ -579,6 +583,31 @@ def test_nothing_lost(row: Row, results):
         assert not os.path.lexists(os.path.join(ROOT, fmt(p))), f"{fmt(p)} exists: the command wrote it" + r.explain()
     if row.check:
         row.check(r)
+
+
+def a_place_to_fill(fx, w):
+    os.makedirs(os.path.join(w, "full"))
+    return {"PY": sys.executable}
+
+
+# --out lies on a 256 KiB tmpfs, mounted in a mount namespace of the command's own (as tests/test_ownership.py's
+# full-disk test does): the metrics fit, the weights of the export do not.
+FULL_DISK = Row(
+    "f8_full_disk_at_export",
+    """unshare -m sh -c 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"' {W}/full {PY} """
+    + TR.removeprefix("python ")
+    + " --checkpoint-dir {W}/ckpt --out {W}/full/model",
+    "{W}/full/model: cannot write the output (No space left on device; ",  # not safetensors' "(os error 28)"
+    prep=a_place_to_fill,
+    changes=("{W}/ckpt",),
+)
+
+
+@pytest.mark.skipif(not _tmpfs_works(), reason="needs root and `unshare -m` to mount a small tmpfs")
+def test_a_full_disk_at_export_is_one_line_naming_the_path_and_the_free_space(fx, tmp_path):
+    r = run_row(FULL_DISK, fx, str(tmp_path))
+    check_row(FULL_DISK, r)
+    assert re.search(r"; [\d.]+ [KMG]i?B free there\)$", r.stderr.strip().splitlines()[-1]), r.explain()
 
 
 # ---------------------------------------------------------------- in-process: where no CLI path is under test
