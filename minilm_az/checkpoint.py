@@ -392,6 +392,8 @@ class Checkpointer:
             error = _first_error(check(path, self.proc.local_rank, self.local_ranks))
             if error is None:
                 saved = _on_rank0(functools.partial(read_train_state, path), rank)
+                error = _step_problem(name, saved)  # the same on every rank: rank 0 read it for all
+            if error is None:
                 changed = _check_state(path, saved, must_match, may_change)
                 if int(saved["step"]) > steps:  # its export would be a later model than the one asked for
                     msg = f"at step {saved['step']}, past --steps {steps}; use --resume never --overwrite"
@@ -642,6 +644,8 @@ class S3Checkpointer(Checkpointer):
                 if absent:
                     raise CheckpointError(f"{absent[0]}, listed by {COMMIT}, is missing or of another size in S3")
                 saved = json.loads(self.store.get(self._key(name, "train_state.json")))
+                if problem := _step_problem(name, saved) or _step_problem(name, commit):
+                    raise CheckpointError(problem)
             except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as e:
                 error = str(e) if isinstance(e, CheckpointError) else f"{COMMIT} or train_state.json: {_one_line(e)}"
             except Exception as e:  # the client's S3Exception
@@ -962,6 +966,17 @@ def _shown(saved, new):
         keys = [k for k in {**saved, **new} if saved.get(k) != new.get(k)]
         return {k: saved.get(k) for k in keys}, {k: new.get(k) for k in keys}
     return saved, new
+
+
+def _step_problem(name: str, saved) -> str | None:
+    """What is wrong with a checkpoint's train_state.json (or commit.json) as the record of the step its folder is
+    named for; None if nothing. A folder renamed to a newer step would otherwise resume older weights as newer and
+    let the prune remove the checkpoints that really are newer."""
+    step = saved.get("step") if isinstance(saved, dict) else None
+    if type(step) is not int or step != int(_STEP_DIR.fullmatch(name).group(1)):
+        what = "train_state.json" if not isinstance(saved, dict) or "objects" not in saved else COMMIT
+        return f"{what} records step {step!r}, not the step its folder {name} is named for"
+    return None
 
 
 def _check_state(path: str, saved: dict, must_match: dict, may_change: dict) -> list[str]:

@@ -10,6 +10,7 @@ objects, and a write probe at start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ class S3Error(ValueError):
 
 
 def is_s3(path: str | None) -> bool:
+    """Whether `path` is an s3:// prefix. A URL of another form (S3://, s3a://, s3:/x) is refused, never taken for
+    a local directory named `S3:` that a job's hosts would each fill on their own disks."""
+    if path and not path.startswith("s3://") and re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:/|s3:", path, re.IGNORECASE):
+        raise S3Error(f"--checkpoint-dir {path}: a URL, but not s3://BUCKET/PREFIX (lower-case s3, two slashes)")
     return bool(path) and path.startswith("s3://")
 
 
@@ -51,8 +56,15 @@ def parse(uri: str) -> Location:
 
 
 def _reason(e: BaseException) -> str:
-    """The client's error in one line (the native client's messages may span lines)."""
+    """The client's error in one line: S3's own error code and message where the response has them (the native
+    client's text puts them after its internals), else the start of its text."""
     text = " ".join(str(e).split())
+    if "No signing credentials" in text:
+        return "no AWS credentials found (environment, ~/.aws, or the job's or instance's role)"
+    code, message = re.search(r"<Code>(.*?)</Code>", text), re.search(r"<Message>(.*?)</Message>", text)
+    status = re.search(r"response_status: (\d+)", text)
+    if code:
+        return f"{status.group(1) + ' ' if status else ''}{code.group(1)}{': ' + message.group(1) if message else ''}"
     return f"{type(e).__name__}: {text}"[:300]
 
 
@@ -75,15 +87,21 @@ class Store:
         # retries a throttled or failed request (503 SlowDown, 500, a reset connection) up to AWS_MAX_ATTEMPTS
         # times in all, with backoff, as AWS's SDKs do; 10 when unset.
         attempts = os.environ.get("AWS_MAX_ATTEMPTS", "10")
-        if not attempts.isdigit() or int(attempts) < 1:
-            raise S3Error(f"AWS_MAX_ATTEMPTS={attempts}: not a whole number of attempts >= 1")
+        if not attempts.isdigit() or not 1 <= int(attempts) <= 100:
+            raise S3Error(f"AWS_MAX_ATTEMPTS={attempts}: not a whole number of attempts from 1 to 100")
         self.config = S3ClientConfig(force_path_style=self.endpoint is not None, max_attempts=int(attempts))
         self.client = S3Client(self.region, endpoint=self.endpoint, s3client_config=self.config)
 
     def put(self, key: str, data: bytes) -> None:
         """One PUT: the object appears whole when the call returns, or not at all."""
-        with self.client.put_object(self.where.bucket, key) as stream:
+        stream = self.client.put_object(self.where.bucket, key)
+        try:
             stream.write(data)
+        except BaseException:
+            with contextlib.suppress(Exception):  # closed now: left to the exit, the native client panics
+                stream.close()
+            raise
+        stream.close()
 
     def get(self, key: str) -> bytes:
         return self.client.get_object(self.where.bucket, key).read()
@@ -103,8 +121,10 @@ class Store:
         """Put, list, read back and delete a small object under the prefix: a missing bucket, a denied request or no
         credentials show here, in one line, before training starts."""
         key = self.where.key(f".minilm-az-probe-{name}")
-        step = "PUT"
+        step = "LIST"  # first: without credentials a LIST says so, a PUT only that its request ended
         try:
+            self.list(key)
+            step = "PUT"
             self.put(key, b"probe")
             step = "LIST"
             listed = self.list(key)

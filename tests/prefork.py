@@ -9,6 +9,8 @@ import at their top, then forks one child per request; the child takes the reque
 argv, sys.path[0] and file descriptors 0-2, and runs the script as `__main__` with runpy, so that its exit (an
 exit code, an uncaught exception's traceback, a signal) is that of `python SCRIPT`. Only plain `python X.py`
 commands go this way; `-m`, torchrun and anything else run as subprocesses (`Prefork.run` says which it did).
+`start()` forks a command and returns at once (pid, poll, wait: a test may kill it), and the ranks of a
+torchrun-style job fork from one server: their environments differ only in RANK_VARS, which no import reads.
 """
 
 from __future__ import annotations
@@ -26,9 +28,20 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("tokenize.py", "train.py", "finetune.py")
+# A process's place in a torchrun-style job: no import reads these, so the ranks of one job (and of the next) fork
+# from one server, each with its own values.
+RANK_VARS = frozenset(
+    "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID "
+    "SM_CURRENT_HOST".split()
+)
+
+
+def server_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k not in RANK_VARS}
 
 
 def top_level_imports() -> list[str]:
@@ -62,8 +75,8 @@ def child(req: dict, server_fds: tuple[int, ...]) -> None:
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
     for fd, path, mode in (
         (0, os.devnull, os.O_RDONLY),
-        (1, req["stdout"], os.O_WRONLY),
-        (2, req["stderr"], os.O_WRONLY),
+        (1, req["stdout"], os.O_WRONLY | os.O_APPEND),  # append: stdout and stderr may be one file
+        (2, req["stderr"], os.O_WRONLY | os.O_APPEND),
     ):
         new = os.open(path, mode)
         os.dup2(new, fd)
@@ -162,9 +175,21 @@ def _add_cpu(seconds: float) -> None:
 
 @dataclasses.dataclass
 class _Job:
+    """A forked command, as much of subprocess.Popen as the tests use: pid, poll(), wait()."""
+
     event: threading.Event = dataclasses.field(default_factory=threading.Event)
     pid: int | None = None
     code: int | None = None
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self.code if self.event.is_set() else None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.event.wait(timeout):
+            raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self.poll()
 
 
 class Prefork:
@@ -214,8 +239,23 @@ class Prefork:
                     self.early[msg["pid"]] = msg["code"]
 
     def forks(self, argv: list[str], cwd: str, env: dict) -> bool:
-        """Whether `argv` runs as a fork: a root script's command with the server's environment."""
-        return self.ready and env == self.env and root_script(argv, cwd)
+        """Whether `argv` runs as a fork: a root script's command with the server's environment (but its rank)."""
+        return self.ready and server_env(env) == self.env and root_script(argv, cwd)
+
+    def start(self, argv: list[str], cwd: str, env: dict, out: str, err: str) -> _Job:
+        """Fork `argv` (self.forks must hold), its stdout and stderr appended to the files `out` and `err`."""
+        for path in (out, err):
+            open(path, "a").close()
+        job = _Job()
+        with self.lock:
+            self.next_id += 1
+            self.jobs[self.next_id] = job
+            req = dict(id=self.next_id, argv=argv[1:], cwd=cwd, env=env, stdout=out, stderr=err)
+            self.server.stdin.write(json.dumps(req) + "\n")
+            self.server.stdin.flush()
+        while job.pid is None and not job.event.is_set():  # its pid comes back at once: a kill may follow
+            time.sleep(0.001)
+        return job
 
     def run(self, argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
         if not self.forks(argv, cwd, env):
@@ -227,13 +267,7 @@ class Prefork:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             for p in (out, err):
                 open(p, "w").close()
-            job = _Job()
-            with self.lock:
-                self.next_id += 1
-                self.jobs[self.next_id] = job
-                req = dict(id=self.next_id, argv=argv[1:], cwd=cwd, env=env, stdout=out, stderr=err)
-                self.server.stdin.write(json.dumps(req) + "\n")
-                self.server.stdin.flush()
+            job = self.start(argv, cwd, env, out, err)
             timed_out = not job.event.wait(timeout)
             if timed_out and job.pid is not None:
                 os.kill(job.pid, signal.SIGKILL)
@@ -256,20 +290,35 @@ _SERVERS: dict[tuple, Prefork] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def run(argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Prefork.run through one server per environment, started on first use and shared by every test of this
+def _server(env: dict) -> Prefork:
+    """The server for `env` (its rank variables aside), started on first use and shared by every test of this
     process (the conftest ends them with the session)."""
+    base = server_env(env)
+    key = tuple(sorted(base.items()))
+    with _SERVERS_LOCK:
+        if key not in _SERVERS:
+            _SERVERS[key] = Prefork(base)
+        return _SERVERS[key]
+
+
+def run(argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Prefork.run through the server for `env`."""
     if not root_script(argv, cwd):
         return subprocess.run(
             argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
-    key = tuple(sorted(env.items()))
-    with _SERVERS_LOCK:
-        if key not in _SERVERS:
-            _SERVERS[key] = Prefork(env)
-        server = _SERVERS[key]
-    return server.run(argv, cwd, env, timeout)
+    return _server(env).run(argv, cwd, env, timeout)
+
+
+def start(argv: list[str], cwd: str, env: dict, out: str) -> _Job | subprocess.Popen:
+    """`argv` started with stdout and stderr appended to the file `out`: a fork where it can be (one rank of a
+    torchrun-style job, say), else a subprocess. Either has pid, poll() and wait(timeout)."""
+    server = _server(env) if root_script(argv, cwd) else None
+    if server is not None and server.forks(argv, cwd, env):
+        return server.start(argv, cwd, env, out, out)
+    with open(out, "ab") as f:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def close_all() -> None:

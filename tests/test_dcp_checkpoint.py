@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -559,3 +560,27 @@ def test_a_checkpoint_past_the_runs_steps_is_refused(group, tmp_path):
     path = save_train_checkpoint(tmp_path, 8, model, opt)
     with pytest.raises(CheckpointError, match=f"^{path}: at step 8, past --steps 4; use --resume never --overwrite$"):
         Checkpointer(str(tmp_path), PROC, async_save=False).resume(model, opt, {}, {}, print, steps=4)
+
+
+def test_a_checkpoint_dir_renamed_to_a_newer_step_is_skipped_with_a_warning_and_nothing_deleted(group, tmp_path):
+    """A copy of step 1 renamed to step 7 (its manifests intact, so it checks as complete) records step 1 in its
+    train_state.json: resuming it would take step 1's weights for step 7's and prune the real step 2."""
+    model, opt = make(seed=1)
+    first = save_train_checkpoint(tmp_path, 1, model, opt, keep=3)
+    train_step(model, opt)
+    save_train_checkpoint(tmp_path, 2, model, opt, keep=3)
+    want = tensors(model, opt)
+    renamed = os.path.join(tmp_path, os.path.basename(first).replace("step-00000001", "step-00000007"))
+    shutil.copytree(first, renamed)
+    assert check(renamed) is None
+    before = sorted(os.listdir(tmp_path))
+    warnings = []
+    fresh, fresh_opt = make(seed=3)
+    step, saved = resume(tmp_path, fresh, fresh_opt, {"model": CFG.to_dict()}, {}, warnings.append)
+    assert (step, saved["step"], len(warnings)) == (2, 2, 1), warnings
+    assert warnings[0] == (
+        f"warning: {renamed} cannot be resumed (train_state.json records step 1, not the step its folder "
+        f"{os.path.basename(renamed)} is named for); trying the one before it"
+    )
+    assert_same(tensors(fresh, fresh_opt), want)
+    assert sorted(os.listdir(tmp_path)) == before

@@ -429,6 +429,12 @@ ROWS = [
     Row("f5_warmup_longer_than_steps", f"{TR} --warmup 100 {NEW}", "--warmup 100 is longer than --steps 2"),
     Row("f5_preset_with_base_model", f"{TR} --base-model {{M}} --preset llama3.2-1b {NEW}", "--preset does nothing"),
     Row("f5_s3_prefix_with_an_empty_segment", f"{TR} --checkpoint-dir s3://bucket//run {NEW}", "not an S3 prefix"),
+    *(  # a URL of another form is refused, never a local dir named "S3:" or "s3a:" in the working directory
+        Row(f"f5_checkpoint_dir_url_{i}", f"{cmd} --checkpoint-dir {url} {NEW}", "a URL, but not s3://", absent=(top,))
+        for i, (cmd, url, top) in enumerate(
+            [(TR, "S3://bucket/run", "S3:"), (TR, "s3a://bucket/run", "s3a:"), (FT, "s3:/bucket/run", "s3:")]
+        )
+    ),
     # 6. no file of an --eval-only without --out
     Row(
         "f6_eval_only_tensorboard_without_out",

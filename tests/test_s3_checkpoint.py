@@ -27,6 +27,7 @@ import pytest
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import prefork  # noqa: E402
 from s3_server import S3Server, free_port  # noqa: E402
 from test_multihost import TRAIN, _assert_same_model, _one_process  # noqa: E402
 
@@ -69,11 +70,14 @@ class Job:
     def __init__(self, argv: list[str], workdir: Path, env: dict, hosts: int = 2, nproc: int = 2):
         self.lines: list[list[str]] = [[] for _ in range(hosts)]
         self.nproc = nproc
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []
+        self.readers: list[threading.Thread] = []
         self.outs = [workdir / f"algo-{k + 1}" / "out" for k in range(hosts)]
         port = free_port()
-        # The workers as torchrun starts them (its environment contract), without the agents: a restart then costs
-        # four interpreters, not six, on CI's two cores. Each host has its own name and its own --out.
+        workdir.mkdir(parents=True, exist_ok=True)
+        # The workers as torchrun starts them (its environment contract), without the agents, each forked from an
+        # interpreter that imported torch once (tests/prefork.py): a restart of four processes then costs no
+        # imports on CI's two cores. Each host has its own name and its own --out.
         for rank in range(hosts * nproc):
             k, local = divmod(rank, nproc)
             host_env = {
@@ -84,21 +88,28 @@ class Job:
                 "OMP_NUM_THREADS": "1",
             }
             cmd = [sys.executable, "train.py", *argv, "--out", str(self.outs[k])]
-            p = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env={key: str(v) for key, v in host_env.items()},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            log = workdir / f"rank-{rank}.log"
+            p = prefork.start(cmd, str(ROOT), {key: str(v) for key, v in host_env.items()}, str(log))
             self.procs.append(p)
-            threading.Thread(target=self._read, args=(p, self.lines[k]), daemon=True).start()
+            self.readers.append(threading.Thread(target=self._read, args=(p, log, self.lines[k]), daemon=True))
+            self.readers[-1].start()
 
     @staticmethod
-    def _read(p: subprocess.Popen, into: list[str]) -> None:
-        for line in p.stdout:
-            into.append(line.rstrip("\n"))
+    def _read(p, log: Path, into: list[str]) -> None:
+        """Follow the process's output file into `into`, line by line, until it ended and all is read."""
+        with open(log, "a+", encoding="utf-8", errors="replace") as f:
+            f.seek(0)
+            part = ""
+            while True:
+                ended = p.poll() is not None
+                part += f.read()
+                *lines, part = part.split("\n")
+                into.extend(lines)
+                if ended:
+                    if part:
+                        into.append(part)
+                    return
+                time.sleep(0.01)
 
     def wait_for(self, pattern: str, timeout: float = 120) -> bool:
         """Until host 1 logs a line matching `pattern` (True), or both hosts ended first (False)."""
@@ -126,7 +137,8 @@ class Job:
     def wait(self, timeout: float = 180) -> list[int]:
         """Each host's exit status: its first process's that failed, else 0 (as torchrun's agent reports it)."""
         codes = [p.wait(timeout=timeout) for p in self.procs]
-        time.sleep(0.05)  # the reader threads take the last lines
+        for reader in self.readers:  # each reads to the end of its file once its process ended
+            reader.join(timeout=10)
         per_host = [codes[k * self.nproc : (k + 1) * self.nproc] for k in range(len(self.outs))]
         return [next((c for c in host if c), 0) for host in per_host]
 
@@ -341,13 +353,40 @@ def test_s3_faults_are_retried_or_fail_the_save_in_one_line_and_the_previous_com
     ]
 
 
-def test_the_write_probe_names_a_missing_bucket_and_a_missing_region_in_one_line(group, aws_env, monkeypatch):
-    from minilm_az.s3 import S3Error, Store
+PROBE = """
+import sys
+from minilm_az.s3 import S3Error, Store
+try:
+    Store(sys.argv[1]).probe("test")
+except S3Error as e:
+    sys.exit(str(e))
+"""
+
+
+def test_the_write_probe_names_a_missing_bucket_credentials_and_region_in_one_line(group, aws_env, monkeypatch):
+    from minilm_az.s3 import S3Error, Store, is_s3
 
     with pytest.raises(S3Error) as missing:
         Store("s3://no-such-bucket-here/run").probe("test")
-    assert "\n" not in str(missing.value) and "cannot PUT s3://no-such-bucket-here/run/" in str(missing.value)
-    assert "s3:PutObject" in str(missing.value)
+    assert "\n" not in str(missing.value) and "cannot LIST s3://no-such-bucket-here/run/" in str(missing.value)
+    assert "bucket does not exist" in str(missing.value) and "s3:PutObject" in str(missing.value)
+    # No credentials anywhere: the LIST says so (a PUT said only that its request had ended), and the process
+    # exits on its one line (a failed PUT's stream, left to the exit, was an 84-line panic of the native client).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k in ("AWS_REGION",)}
+    env |= {"AWS_ENDPOINT_URL_S3": aws_env.url, "AWS_EC2_METADATA_DISABLED": "true", "HOME": str(ROOT / "nowhere")}
+    env |= {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
+    uri = f"s3://{new_bucket(aws_env)}/run"
+    r = subprocess.run([sys.executable, "-c", PROBE, uri], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr[-2000:]
+    assert f"cannot LIST {uri}/.minilm-az-probe-test" in r.stderr and "no AWS credentials found" in r.stderr
+    for attempts in ("0", "101", "99999999999", "x"):  # past a C int the client itself panicked
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", attempts)
+        with pytest.raises(S3Error, match=rf"^AWS_MAX_ATTEMPTS={attempts}: not a whole number of attempts from 1"):
+            Store("s3://bkt/run")
+    for url in ("S3://bkt/run", "s3a://bkt/run", "s3:/bkt/run", "s3:bkt/run", "gs://bkt/run"):
+        with pytest.raises(S3Error, match=rf"^--checkpoint-dir {url}: a URL, but not s3://BUCKET/PREFIX"):
+            is_s3(url)
+    assert not is_s3("runs/s3-checkpoints") and not is_s3(None) and is_s3("s3://bkt/run")
     monkeypatch.delenv("AWS_REGION")
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
     with pytest.raises(S3Error, match=r"^s3://bkt/run: no AWS region: set AWS_REGION"):
@@ -356,6 +395,51 @@ def test_the_write_probe_names_a_missing_bucket_and_a_missing_region_in_one_line
         Store("s3://Bad_Bucket/run")  # refused before any request, not a client's dump of a 404
     with pytest.raises(S3Error, match=r"^s3://bkt//run: not an S3 prefix"):
         Store("s3://bkt//run")  # "bkt//run" and "bkt/run" are two prefixes on S3
+
+
+def test_a_checkpoint_whose_records_disagree_with_its_name_is_skipped_with_a_warning_and_nothing_deleted(
+    group, aws_env
+):
+    """A folder whose train_state.json or commit.json does not record the step it is named for (a copy renamed to
+    a newer step, a state edited by hand, not a dict, a step that is no number) is skipped with a warning naming
+    it, and the one before it resumes; nothing is deleted. Resuming it resumed older weights as the newer step,
+    and the next prune removed the checkpoints that really were newer."""
+    import torch
+
+    from minilm_az import parallel
+    from minilm_az.checkpoint import S3Checkpointer
+
+    s3, bucket = aws_env, new_bucket(aws_env)
+    proc, uri, client = parallel.Process(0, 1, 0, torch.device("cpu")), f"s3://{bucket}/run", aws_env.boto()
+    model, opt, state = _tiny()
+    ck = S3Checkpointer(uri, proc, keep=5, async_save=False)
+    ck.save(1, model, opt, state)
+    ck.save(2, model, opt, state)
+    second = ck.last().rsplit("/", 1)[1]
+    renamed = f"step-00000009-{ck.token}"  # step 2's objects and commit under a newer step's name
+    for key in s3.keys(bucket, f"run/{second}/"):
+        client.copy_object(Bucket=bucket, Key=key.replace(second, renamed), CopySource={"Bucket": bucket, "Key": key})
+    states = {"{}": "None", "[]": "None", '{"step": "two"}': "'two'", '{"step": 8.0}': "8.0"}
+    for i, text in enumerate(states):  # each in a newer copy of step 2, its state replaced and the commit to match
+        name = f"step-0000001{i}-{ck.token}"
+        for key in s3.keys(bucket, f"run/{second}/"):
+            client.copy_object(Bucket=bucket, Key=key.replace(second, name), CopySource={"Bucket": bucket, "Key": key})
+        client.put_object(Bucket=bucket, Key=f"run/{name}/train_state.json", Body=text.encode())
+        commit = json.loads(client.get_object(Bucket=bucket, Key=f"run/{name}/{COMMIT}")["Body"].read())
+        commit["objects"]["train_state.json"] = len(text)
+        client.put_object(Bucket=bucket, Key=f"run/{name}/{COMMIT}", Body=json.dumps(commit).encode())
+    before = s3.objects(bucket, "run/")
+    again, again_opt, _ = _tiny()
+    warnings = []
+    step, saved = S3Checkpointer(uri, proc, keep=2, async_save=False).resume(
+        again, again_opt, {}, {}, warnings.append, 100
+    )
+    assert step == 2 and saved["step"] == 2 and _same(again, model), warnings
+    assert len(warnings) == 5 and all("cannot be resumed" in w and "\n" not in w for w in warnings), warnings
+    for (text, shown), warning in zip(reversed(states.items()), warnings):
+        assert f"train_state.json records step {shown}, not the step its folder" in warning, (text, warning)
+    assert f"train_state.json records step 2, not the step its folder {renamed} is named for" in warnings[-1]
+    assert s3.objects(bucket, "run/") == before  # nothing deleted
 
 
 # ---------------------------------------------------------------------------------------------
