@@ -26,6 +26,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limi
 
 if [ "$mode" = pretrain ]; then
   install .whl_tt || exit 1
+  $py -c "import torch; from importlib.metadata import version as v
+print('torch', torch.__version__, 'torchao', v('torchao'), 'liger-kernel', v('liger-kernel'), 'torchtitan', v('torchtitan'))" |
+    tee -a "$OUT/gpu.txt"
   tt_rows=${TT_ROWS:-tt_bf16,tt_fp8}
   timeout "${TT_S:-230}" $py .peer/peer_torchtitan.py --rows "$tt_rows" --sizes "${TT_SIZES:-14,28}" --out "$J/tt.json" 2>&1 |
     grep -v "^\[rank0\]:\[W" | tee "$OUT/tt.log"

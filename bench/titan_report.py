@@ -3,7 +3,9 @@
     python bench/titan_report.py OURS.json|OURS.log TT.json|TT.log [--md]
 
 Each of our rows is set against torchtitan's row of the same micro-batch and precision: bf16 rows
-(`ours_liger_compile...`) against `tt_bf16`, float8 rows (`ours_fp8_...`) against `tt_fp8`. A log works as well
+(`ours_liger_compile...`) against `tt_bf16`, float8 rows (`ours_fp8_...`) against `tt_fp8`. A row at a
+micro-batch torchtitan did not run (a larger one that only our memory allows) is set against torchtitan's
+largest smaller one and our same row there, marked `@mb`. A log works as well
 as the --out JSON (a call cut short by its time limit leaves only the log's JSON lines). Rows with a profile
 also print their GPU time per kernel family.
 """
@@ -54,8 +56,15 @@ def main() -> None:
             continue
         peer = ref.get((peer_of(r["variant"]), mb)) if r["variant"].startswith("ours") else None
         root = base.get((r["variant"].split("+")[0], mb)) if "+" in r["variant"] else None
-        vs_tt = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}" if peer else "-"
-        vs_base = f"{r['tokens_per_s'] / root['tokens_per_s']:.3f}" if root else "-"
+        at = ""  # a micro-batch torchtitan did not run: against its largest smaller one, and our row there
+        if r["variant"].startswith("ours") and not peer:
+            below = [m for v, m in ref if v == peer_of(r["variant"]) and m < mb]
+            if below:
+                at = f"@{max(below)}"
+                peer = ref[(peer_of(r["variant"]), max(below))]
+                root = root or base.get((r["variant"], max(below)))
+        vs_tt = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}{at}" if peer else "-"
+        vs_base = f"{r['tokens_per_s'] / root['tokens_per_s']:.3f}{at if root else ''}" if root else "-"
         tt_gib = f"{peer['peak_gib']:.1f}" if peer else "-"
         cells = [r["variant"], str(mb), f"{r['tokens_per_s']:,.0f}", vs_tt, vs_base, f"{r['peak_gib']:.1f}", tt_gib]
         if args.md:

@@ -111,10 +111,13 @@ def build_ours(
     attention: str = "default",
     flce_chunk_mem: int | None = None,
     optimizer: str = "fused",
+    whole: bool = False,
     **fp8_opts,
 ):
     """Our model and step. Levers (each a row's suffix): `attention` (set_attention), `flce_chunk_mem` (Liger's
-    FLCE chunk sizing, kernels.FLCE_CHUNK_MEM), `optimizer` (AdamW fused or foreach)."""
+    FLCE chunk sizing, kernels.FLCE_CHUNK_MEM), `optimizer` (AdamW fused, foreach, or `compiled`: clip + AdamW
+    in one torch.compile), `whole` (the trunk, embedding to final norm, compiled as one function instead of
+    each block; the head's fused cross-entropy stays outside, as per block)."""
     # Read when the ops are selected, just below; None keeps the library's default.
     kernels.FLCE_CHUNK_MEM = FLCE_DEFAULT if flce_chunk_mem is None else flce_chunk_mem
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
@@ -129,7 +132,7 @@ def build_ours(
         model,
         mixed_precision=device.type == "cuda",
         ac=ac,
-        compile=compile,
+        compile=compile and not whole,
         fp8=fp8,
         fp8_all_gather=ag,
         fp8_fast_accum=bool(fp8_opts.get("fast_accum")),
@@ -143,22 +146,34 @@ def build_ours(
 
         inductor.coordinate_descent_tuning, inductor.max_autotune = True, bool(fp8_opts.get("autotune"))
     materialize(model, device, seed=0)
+    if whole and compile:  # one graph from the token ids to the final norm (FSDP's hooks may split it)
+        model.hidden_states = torch.compile(model.hidden_states)
     return model, train_step(model, lambda x, y: model(x, targets=y), device, ag, optimizer)
 
 
 def train_step(model, loss_fn, device, fp8_all_gather: bool = False, optimizer: str = "fused"):
-    """One optimizer step as both sides take it: loss, backward, clip to 1.0, AdamW (fused on CUDA)."""
+    """One optimizer step as both sides take it: loss, backward, clip to 1.0, AdamW (fused on CUDA).
+
+    `optimizer="compiled"`: the clip and a foreach AdamW traced by one torch.compile, so Inductor writes
+    the update's kernels (and may fold the clip's scaling into them) instead of the fused AdamW kernel."""
     fused = device.type == "cuda" and optimizer == "fused"
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused, foreach=not fused
     )
     parallel.fp8_scale_hook(model, opt, on=fp8_all_gather)
+    params = list(model.parameters())
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    if optimizer == "compiled":
+        update = torch.compile(update)
 
     def step(x, y):
         loss = loss_fn(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        update()
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -219,6 +234,8 @@ LEVERS = {
     "flce4": {"flce_chunk_mem": 4},
     "flce8": {"flce_chunk_mem": 8},
     "foreach": {"optimizer": "foreach"},
+    "copt": {"optimizer": "compiled"},  # clip + AdamW in one torch.compile (train_step)
+    "whole": {"whole": True},  # the trunk compiled as one function instead of each block
     "kg": {"keep_gathered": True},
     "cdt": {"cdt": True},
     "fa": {"fast_accum": True},
@@ -416,12 +433,13 @@ def main():
         "vocab": cfg.vocab_size,
         "argv": sys.argv,
     }
-    try:
-        import liger_kernel
+    from importlib.metadata import PackageNotFoundError, version
 
-        meta["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
-    except ImportError:
-        pass
+    for lib in ("liger-kernel", "torchao"):
+        try:
+            meta[lib.replace("-", "_")] = version(lib)
+        except PackageNotFoundError:
+            pass
     print(json.dumps(meta))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
