@@ -490,18 +490,19 @@ class S3Checkpointer(Checkpointer):
     def __init__(self, ckpt_dir: str, proc: Process, keep: int = 2, async_save: bool = True):
         self.store = s3.Store(ckpt_dir)
         super().__init__(self.store.uri, proc, keep, async_save)
+        self.seen: set[str] = set()  # the folders under the prefix when this run started (resume or _fresh)
 
     def _key(self, name: str, file: str = "") -> str:
         return self.store.where.key(name, file)
 
-    def _listing(self) -> dict[str, dict[str, int]]:
-        """name -> {file: size} of every step-* folder under the prefix (one LIST, paginated)."""
-        found: dict[str, dict[str, int]] = {}
+    def _listing(self) -> dict[str, dict[str, tuple[int, str]]]:
+        """name -> {file: (size, ETag)} of every step-* folder under the prefix (one LIST, paginated)."""
+        found: dict[str, dict[str, tuple[int, str]]] = {}
         base = self.store.where.key() + "/" if self.store.where.key() else ""
-        for key, size in self.store.list(base).items():
+        for key, object_info in self.store.list(base).items():
             parts = key[len(base) :].split("/")
             if len(parts) == 2 and _STEP_DIR.fullmatch(parts[0]):
-                found.setdefault(parts[0], {})[parts[1]] = size
+                found.setdefault(parts[0], {})[parts[1]] = object_info
         return found
 
     def save(self, step: int, model, optimizer, train_state: dict) -> None:
@@ -568,15 +569,27 @@ class S3Checkpointer(Checkpointer):
             commit_error = None
             if self.proc.rank == 0:
                 try:
-                    objects = self._listing().get(name, {})
+                    listing = self._listing()
+                    # S3 has no lock that a killed run would let go of. A commit that is neither this run's nor
+                    # was there at its start is another live run's, whose checkpoints this one's prune would
+                    # delete (a killed run's uploads may still land late, but never with a commit after them).
+                    new = [n for n in sorted(listing) if n not in self.seen and not n.endswith(f"-{self.token}")]
+                    other = [n for n in new if COMMIT in listing[n]]
+                    if other:
+                        raise CheckpointError(
+                            f"another run writes under this prefix ({other[0]} appeared since this "
+                            "one started): one prefix takes one run at a time"
+                        )
+                    objects = listing.get(name, {})
                     objects.pop(COMMIT, None)
                     missing = self._expected(name) - set(objects)
                     if missing:  # S3 lists what it holds: a commit must never name an object it lacks
                         raise CheckpointError(f"{sorted(missing)[0]} is not in S3's listing")
-                    commit = {"step": step, "world_size": self.proc.world_size, "objects": objects}
+                    sizes, etags = ({f: info[i] for f, info in objects.items()} for i in (0, 1))
+                    commit = {"step": step, "world_size": self.proc.world_size, "objects": sizes, "etags": etags}
                     self.store.put(self._key(name, COMMIT), json.dumps(commit, sort_keys=True).encode())
                 except Exception as e:  # the client's S3Exception, after its own retries
-                    commit_error = f"{COMMIT}: {_one_line(e)}"
+                    commit_error = str(e) if isinstance(e, CheckpointError) else f"{COMMIT}: {_one_line(e)}"
             error = _first_error_in(commit_error, self._group)
         if error:
             raise self._not_written(step, error)
@@ -626,6 +639,7 @@ class S3Checkpointer(Checkpointer):
         nothing that loads is an error (exit 2), and nothing is deleted."""
         rank = self.proc.rank
         listing = self._listing()
+        self.seen = set(listing)
         view = [(n, COMMIT in files) for n, files in listing.items()]
         view = sorted(view, key=lambda v: (int(_STEP_DIR.fullmatch(v[0]).group(1)), v[0]), reverse=True)
         names = _agreed([f"{n}{'' if c else ' (uncommitted)'}" for n, c in view], self.ckpt_dir, self.proc)
@@ -640,9 +654,11 @@ class S3Checkpointer(Checkpointer):
             error = None
             try:
                 commit = json.loads(self.store.get(self._key(name, COMMIT)))
-                absent = [f for f, size in commit["objects"].items() if listing[name].get(f) != size]
+                held = listing[name]  # an object written again after its commit has another ETag, whatever its size
+                absent = [f for f, size in commit["objects"].items() if held.get(f, (None,))[0] != size]
+                absent += [f for f, etag in commit.get("etags", {}).items() if held.get(f, (0, None))[1] != etag]
                 if absent:
-                    raise CheckpointError(f"{absent[0]}, listed by {COMMIT}, is missing or of another size in S3")
+                    raise CheckpointError(f"{absent[0]}, listed by {COMMIT}, is missing or not as committed in S3")
                 saved = json.loads(self.store.get(self._key(name, "train_state.json")))
                 if problem := _step_problem(name, saved) or _step_problem(name, commit):
                     raise CheckpointError(problem)
@@ -682,6 +698,7 @@ class S3Checkpointer(Checkpointer):
 
     def _fresh(self, overwrite: bool) -> int:
         names = _agreed(sorted(self._listing()), self.ckpt_dir, self.proc)
+        self.seen = set(names)
         if names and not overwrite:
             raise CheckpointError(
                 f"{self.ckpt_dir} holds an earlier run's checkpoints ({names[-1]}): --overwrite replaces them"

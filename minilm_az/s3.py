@@ -109,12 +109,13 @@ class Store:
     def delete(self, key: str) -> None:
         self.client.delete_object(self.where.bucket, key)
 
-    def list(self, prefix: str) -> dict[str, int]:
-        """Every object under `prefix` (a key prefix, ending with '/' for a folder): key -> size."""
+    def list(self, prefix: str) -> dict[str, tuple[int, str]]:
+        """Every object under `prefix` (a key prefix, ending with '/' for a folder): key -> (size, ETag). The ETag
+        changes whenever an object is written again, even with as many bytes."""
         found = {}
         for page in self.client.list_objects(self.where.bucket, prefix):
             for info in page.object_info:
-                found[info.key] = info.size
+                found[info.key] = (info.size, info.etag)
         return found
 
     def probe(self, name: str) -> None:

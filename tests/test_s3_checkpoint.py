@@ -416,18 +416,24 @@ def test_a_checkpoint_whose_records_disagree_with_its_name_is_skipped_with_a_war
     ck.save(1, model, opt, state)
     ck.save(2, model, opt, state)
     second = ck.last().rsplit("/", 1)[1]
-    renamed = f"step-00000009-{ck.token}"  # step 2's objects and commit under a newer step's name
-    for key in s3.keys(bucket, f"run/{second}/"):
-        client.copy_object(Bucket=bucket, Key=key.replace(second, renamed), CopySource={"Bucket": bucket, "Key": key})
-    states = {"{}": "None", "[]": "None", '{"step": "two"}': "'two'", '{"step": 8.0}': "8.0"}
-    for i, text in enumerate(states):  # each in a newer copy of step 2, its state replaced and the commit to match
-        name = f"step-0000001{i}-{ck.token}"
+
+    def copy(name: str, state: str | None = None) -> None:
+        """Step 2's objects under `name`, its state replaced by `state`, and a commit that matches them."""
         for key in s3.keys(bucket, f"run/{second}/"):
             client.copy_object(Bucket=bucket, Key=key.replace(second, name), CopySource={"Bucket": bucket, "Key": key})
-        client.put_object(Bucket=bucket, Key=f"run/{name}/train_state.json", Body=text.encode())
+        if state is not None:
+            client.put_object(Bucket=bucket, Key=f"run/{name}/train_state.json", Body=state.encode())
         commit = json.loads(client.get_object(Bucket=bucket, Key=f"run/{name}/{COMMIT}")["Body"].read())
-        commit["objects"]["train_state.json"] = len(text)
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"run/{name}/")["Contents"]
+        held = {o["Key"].rsplit("/", 1)[1]: o for o in listed if not o["Key"].endswith(COMMIT)}
+        commit["objects"], commit["etags"] = ({f: o[k] for f, o in held.items()} for k in ("Size", "ETag"))
         client.put_object(Bucket=bucket, Key=f"run/{name}/{COMMIT}", Body=json.dumps(commit).encode())
+
+    renamed = f"step-00000009-{ck.token}"  # step 2's objects and commit under a newer step's name
+    copy(renamed)
+    states = {"{}": "None", "[]": "None", '{"step": "two"}': "'two'", '{"step": 8.0}': "8.0"}
+    for i, text in enumerate(states):  # each in a newer copy of step 2, its state replaced
+        copy(f"step-0000001{i}-{ck.token}", text)
     before = s3.objects(bucket, "run/")
     again, again_opt, _ = _tiny()
     warnings = []
@@ -440,6 +446,63 @@ def test_a_checkpoint_whose_records_disagree_with_its_name_is_skipped_with_a_war
         assert f"train_state.json records step {shown}, not the step its folder" in warning, (text, warning)
     assert f"train_state.json records step 2, not the step its folder {renamed} is named for" in warnings[-1]
     assert s3.objects(bucket, "run/") == before  # nothing deleted
+
+
+def test_an_object_written_again_after_its_commit_with_as_many_bytes_is_not_resumed(group, aws_env):
+    """A flipped byte in a data object, written back whole (same size): the commit records each object's ETag,
+    which S3 changes on every write, so the checkpoint is skipped with a warning naming the object."""
+    import torch
+
+    from minilm_az import parallel
+    from minilm_az.checkpoint import S3Checkpointer
+
+    s3, bucket = aws_env, new_bucket(aws_env)
+    proc, uri, client = parallel.Process(0, 1, 0, torch.device("cpu")), f"s3://{bucket}/run", aws_env.boto()
+    model, opt, state = _tiny()
+    ck = S3Checkpointer(uri, proc, keep=2, async_save=False)
+    ck.save(1, model, opt, state)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randint(0, 320, (2, 16))).float().pow(2).mean().backward()
+    opt.step()
+    ck.save(2, model, opt, state)
+    key = next(k for k in s3.keys(bucket, "run/") if "step-00000002" in k and k.endswith(".distcp"))
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    again, again_opt, _ = _tiny()
+    warnings = []
+    step, _ = S3Checkpointer(uri, proc, keep=2, async_save=False).resume(again, again_opt, {}, {}, warnings.append, 9)
+    assert step == 1 and all(v.equal(want[k]) for k, v in again.state_dict().items()), warnings
+    name = key.split("/")[-1]
+    assert len(warnings) == 1 and f"({name}, listed by {COMMIT}, is missing or not as committed in S3)" in warnings[0]
+
+
+def test_a_second_run_on_the_same_prefix_stops_at_its_first_commit_and_deletes_nothing(group, aws_env):
+    """S3 has no lock a killed run would let go of. A folder under the prefix that is neither this run's nor was
+    there when it started is another run's: the save fails in one line, before its commit and its prune (which
+    would delete the other run's checkpoints), and the other run's checkpoints stay."""
+    import torch
+
+    from minilm_az import parallel
+    from minilm_az.checkpoint import CheckpointError, S3Checkpointer
+
+    s3, bucket = aws_env, new_bucket(aws_env)
+    proc, uri = parallel.Process(0, 1, 0, torch.device("cpu")), f"s3://{bucket}/run"
+    model, opt, state = _tiny()
+    first, second = (S3Checkpointer(uri, proc, keep=1, async_save=False) for _ in range(2))
+    for ck in (first, second):
+        assert ck.resume(model, opt, {}, {}, print, 100) == (0, None)
+    first.save(1, model, opt, state)
+    kept = s3.objects(bucket, "run/")
+    with pytest.raises(CheckpointError) as e:
+        second.save(2, model, opt, state)
+    assert str(e.value) == (
+        f"{uri}: checkpoint of step 2 was not written (another run writes under this prefix "
+        f"(step-00000001-{first.token} appeared since this one started): one prefix takes one run at a time); the "
+        "last committed one is none yet"
+    )
+    assert kept.items() <= s3.objects(bucket, "run/").items()  # the first run's checkpoint is whole
+    assert f"run/step-00000002-{second.token}/{COMMIT}" not in s3.objects(bucket, "run/")
 
 
 # ---------------------------------------------------------------------------------------------
