@@ -392,17 +392,17 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
     _unshare_appended(out_dir, run_files)
     before = _files_under(out_dir, run_files)
     if replacing:  # the earlier run's files and entry stay until this run's first output exists (replace_earlier)
-        old = marker.get("owner", {}).get("files", [])
-        _REPLACING[os.path.realpath(out_dir)] = functools.partial(_replace, out_dir, old, owner, run_files, before)
+        _REPLACING[os.path.realpath(out_dir)] = (marker.get("owner", {}).get("files", []), owner, run_files, before)
     elif not marker.get("owner"):
         _write_marker(out_dir, marker.get("outputs", []), owner)
     atexit.register(_record_run_files, out_dir, run_files, before, lock)
     return lock, replacing
 
 
-# Out dirs (resolved) whose earlier run this process replaces -> the removal, done once its first output exists. Kept
-# here, not returned: checkpoint.claim_run takes the claim, and the run's log, which writes that output's line, asks.
-_REPLACING: dict[str, functools.partial] = {}
+# Out dirs (resolved) whose earlier run this process replaces, once its first output exists -> (the earlier run's
+# files, the new owner entry, the log names, what is under them now). Kept here, not returned: checkpoint.claim_run
+# takes the claim, and the run's log, which writes that output's line, asks.
+_REPLACING: dict[str, tuple] = {}
 
 
 def replacing(out_dir: str) -> bool:
@@ -414,11 +414,9 @@ def replace_earlier(out_dir: str) -> None:
     """Remove the files the earlier run in out_dir recorded writing, and make this run its owner: called once this
     run's first output (a checkpoint, the export, an evaluation's line) exists, so a run stopped before it (Ctrl-C,
     a kill) leaves the earlier one whole. Only the first call of a replacing run does anything."""
-    if (replace := _REPLACING.pop(os.path.realpath(out_dir), None)) is not None:
-        replace()
-
-
-def _replace(out_dir: str, old: list[str], owner: dict, names: Iterable[str], before: dict) -> None:
+    if (pending := _REPLACING.pop(os.path.realpath(out_dir), None)) is None:
+        return
+    old, owner, names, before = pending
     # Only files the earlier run recorded writing: never a whole directory, never a name's pattern.
     _remove_files(out_dir, [name for name in old if name not in (".", "..")])
     _write_marker(out_dir, _marker(out_dir).get("outputs", []), {**owner, "time": _now()})
