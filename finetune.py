@@ -12,6 +12,7 @@ checkpoints), then the PEFT adapter and, with --merge, OUT/merged. `--chat` / `-
 
 from __future__ import annotations
 
+import minilm_az  # noqa: F401  # isort: skip (first: it checks the working directory, which torch needs)
 import dataclasses
 import math
 import os
@@ -30,7 +31,7 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
-from minilm_az.outputs import atomic_write_json, check_not_input, file_sha256, own_subdir
+from minilm_az.outputs import atomic_write_json, check_not_input, file_sha256, own_subdir, remove_output
 from minilm_az.prep.chat_data import chat_files, encode_all, read_chat_files
 from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
 
@@ -228,9 +229,10 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
 
 
 def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLogger, seconds: float, base_id: str):
-    """The adapter (every rank gathers, rank 0 writes; it records its base by content, `base_id`), the tokenizer
-    beside it, then the optional merged model."""
+    """The adapter (every rank gathers, rank 0 writes; its base recorded by content), its tokenizer, then --merge's."""
     base = dict(base_model_name_or_path=os.path.abspath(cfg.model), identity=base_id)
+    if proc.is_main:  # the merged model of the adapter this one replaces must never stand beside it
+        remove_output(os.path.join(cfg.out, "merged"), MERGED_MARK)
     lora.save_adapter(model, cfg.out, **base, is_writer=proc.is_main)
     if proc.is_main:
         copy_tokenizer_files(cfg.tokenizer, cfg.out)

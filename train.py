@@ -11,6 +11,7 @@ Reads top to bottom: the flags become a run plan, then the model, evaluation, on
 
 from __future__ import annotations
 
+import minilm_az  # noqa: F401  # isort: skip (first: it checks the working directory, which torch needs)
 import dataclasses
 import math
 import os
@@ -173,7 +174,7 @@ def eval_only(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> Non
     tok = tk.load_tokenizer(need_dir(plan.flags.tokenizer, "--tokenizer", "the model's own tokenizer"))
     must = {"model": model_fingerprint(plan.flags.base_model), "text": plan.flags.eval_text}
     checkpoint.claim_run(plan.flags.out, plan.out, "train.py --eval-only", plan.flags, must, proc, log)
-    log.open()  # nothing refuses an evaluation after its claim
+    log.open(output=("eval",))  # nothing refuses an evaluation after its claim; its line is its output
     model = build(plan, proc, embedding_rows(plan, tok.get_vocab_size(with_added_tokens=True)), log)
     log.log("eval", step=0, **evaluate(model, eval_tokens(plan, tok), tk.token_byte_lengths(tok), plan, proc, log, 0))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -299,16 +298,6 @@ def load_pretrained(
 # ---------------------------------------------------------------- safetensors out
 
 
-def _hf_weight_files(path: str) -> list[str]:
-    # Every weight layout an HF directory can have: a new export replaces whichever one is there.
-    names = os.listdir(path) if os.path.isdir(path) else []
-    return [
-        "model.safetensors",
-        "model.safetensors.index.json",
-        *sorted(n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)),
-    ]
-
-
 def save_pretrained(
     model: Llama,
     path: str,
@@ -331,7 +320,9 @@ def save_pretrained(
     dtype = dtype or next(model.parameters()).dtype
     if not dtype.is_floating_point:  # An integer export would round every weight, to zero at these scales.
         raise ModelDirError(f"{path}: weights are exported in a floating dtype, not {dtype}")
-    staged = staged_output(path, stage=HF_STAGE, replaces=_hf_weight_files(path)) if is_writer else nullcontext()
+    # The other layout's file, where the previous export recorded it, goes; a shard goes only if it recorded it.
+    layouts = ("model.safetensors", "model.safetensors.index.json")
+    staged = staged_output(path, stage=HF_STAGE, replaces=layouts) if is_writer else nullcontext()
     with staged as tmp:
         weight_map, total = _write_shards(model, tmp, dtype, max_shard_bytes)
         if tmp is not None:

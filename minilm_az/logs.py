@@ -161,11 +161,25 @@ class MetricLogger:
         self.enabled, self.stream, self.jsonl, self.tensorboard = enabled, stream or sys.stdout, jsonl, tensorboard
         self.file = self.writer = None
         self.held: list[str] | None = []  # the records before open()
+        self.until: tuple[str, ...] = ()  # the kinds of record that say the run's first output exists
 
-    def open(self) -> None:
+    def open(self, output: tuple[str, ...] = ("checkpoint", "export")) -> None:
+        """Write the held records and the next ones. A run that replaces an earlier one's output (--overwrite) holds
+        them on until a record of an `output` kind: then its first output exists, and the earlier run's files (its
+        metrics.jsonl too) go (outputs.replace_earlier). Stopped before that, it leaves the earlier run whole."""
+        from minilm_az import outputs  # outputs imports nothing from here; kept local anyway
+
+        if self.jsonl and outputs.replacing(os.path.dirname(os.path.abspath(self.jsonl))):
+            self.until = output
+        else:
+            self._release()
+
+    def _release(self) -> None:
         held, self.held = self.held or [], None
         for record in held:
             self._write(record)
+            fields = json.loads(record)  # a held record's numbers reach TensorBoard now, like the rest
+            self._scalars(fields.pop("kind"), {k: v for k, v in fields.items() if k != "time"})
 
     def _write(self, record: str) -> None:
         try:
@@ -176,9 +190,20 @@ class MetricLogger:
                 self.file.write(record)
                 self.file.flush()
         except OSError as e:  # a full disk, no permission: the path, the reason and the free space in one line
-            from minilm_az.outputs import write_error  # outputs imports nothing from here; kept local anyway
+            from minilm_az.outputs import write_error
 
             raise write_error(self.jsonl, e) from None
+
+    def _scalars(self, stream: str, metrics: dict[str, Any]) -> None:
+        if not (self.tensorboard and isinstance(metrics.get("step"), int)):
+            return
+        if self.writer is None:  # the tensorboard extra: the flags refuse --tensorboard without it
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.tensorboard, flush_secs=30)
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{stream}/{key}", value, metrics["step"])
 
     def log(self, stream: str, **metrics: Any) -> None:
         if not self.enabled:
@@ -186,18 +211,16 @@ class MetricLogger:
         print(format_line(stream, **metrics), file=self.stream, flush=True)
         kept = {k: v for k, v in metrics.items() if v is not None}
         record = json.dumps({"kind": stream, "time": round(time.time(), 3), **kept}) + "\n"
-        if self.held is not None:
-            self.held.append(record)
-        else:
+        if self.held is None:
             self._write(record)
-        if self.held is None and self.tensorboard and isinstance(metrics.get("step"), int):
-            if self.writer is None:  # the tensorboard extra: the flags refuse --tensorboard without it
-                from torch.utils.tensorboard import SummaryWriter
+            self._scalars(stream, metrics)
+            return
+        self.held.append(record)
+        if stream in self.until:  # the first output of a run that replaces an earlier one: now the earlier one goes
+            from minilm_az import outputs
 
-                self.writer = SummaryWriter(self.tensorboard, flush_secs=30)
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.writer.add_scalar(f"{stream}/{key}", value, metrics["step"])
+            outputs.replace_earlier(os.path.dirname(os.path.abspath(self.jsonl)))
+            self._release()
 
     def info(self, msg: str) -> None:
         if self.enabled:

@@ -2,7 +2,8 @@
 
 One ownership rule for every writer (claim): a stage writes into a new directory, or one the marker file
 `minilm-az-output.json` says it owns; the same run continues there, an earlier output is replaced only with
---overwrite (removing only files the marker lists), anything else is refused. A lock held for the run stops a second.
+--overwrite (removing only files the marker lists, once the new run's first output exists), anything else is
+refused. A lock held for the run stops a second.
 
     {"owner": {"stage": "train.py", "run": "<digest of its inputs>", "time": "2025-01-01T00:00:00Z"},
      "outputs": [{"stage": "hf-model", "files": ["config.json", "model.safetensors"], "time": "...", "complete": true}]}
@@ -305,6 +306,17 @@ def own_subdir(out_dir: str, name: str, mark: str) -> str:
     return path
 
 
+def remove_output(path: str, mark: str) -> None:
+    """Remove what a stage wrote in `path`, known by `mark` (own_subdir's): the files its marker lists, then the
+    marker and the mark, last, so a stop halfway leaves no whole model. A file no record lists stays, and its dir."""
+    if os.path.islink(path) or not os.path.isfile(os.path.join(path, mark)):
+        return
+    _remove_leftover_staging(path)
+    _remove_files(path, [*(f for record in _read_marker(path) for f in record["files"]), MARKER, mark])
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def _unlock(path: str, handle: IO, created: bool) -> None:
     # At exit the lock file goes, so a directory holds only what was written; a directory this run made and wrote
     # nothing into goes too (a refused or failed first run leaves nothing behind).
@@ -349,8 +361,8 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
     A stage writes only into a directory that is new (or empty), or that the marker says this stage owns. There the
     same run (train/finetune: `run`, a digest of its inputs, is equal, and it may `resume`) continues; an earlier
     output is replaced only with --overwrite, which removes only files the marker lists (`run_files`, a run's logs,
-    at once; outputs as the new ones move in). Anything else is refused, --overwrite or not: files the marker does
-    not list may be another model's, and nothing here may replace or remove them.
+    once this run's first output exists: replace_earlier; outputs as the new ones move in). Anything else is refused,
+    --overwrite or not: files the marker does not list may be another model's, and nothing here may remove them.
     """
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", out_dir):  # never a local directory named "s3:"
         raise OutputError(
@@ -375,17 +387,41 @@ def claim(out_dir: str, stage: str, overwrite: bool, run: str | None = None, run
                 f"--out {shown(out_dir)}: {name} is a symlink to {where}; a run never writes through a link: remove it"
             )
     marker = _marker(out_dir)
-    owner = marker.get("owner") or {}
-    if replacing:  # only files the earlier run recorded writing: never a whole directory, never a name's pattern
-        _remove_files(out_dir, [name for name in owner.get("files", []) if name not in (".", "..")])
-    if replacing or not owner:
-        # Until this run ends, its entry names what it may write; at exit it names the files it did write.
-        owner = dict(stage=stage, run=run, time=_now(), files=list(run_files))
-        _write_marker(out_dir, marker.get("outputs", []), owner)
+    # Until this run ends, its entry names what it may write; at exit it names the files it did write.
+    owner = dict(stage=stage, run=run, time=_now(), files=list(run_files))
     _unshare_appended(out_dir, run_files)
     before = _files_under(out_dir, run_files)
+    if replacing:  # the earlier run's files and entry stay until this run's first output exists (replace_earlier)
+        _REPLACING[os.path.realpath(out_dir)] = (marker.get("owner", {}).get("files", []), owner, run_files, before)
+    elif not marker.get("owner"):
+        _write_marker(out_dir, marker.get("outputs", []), owner)
     atexit.register(_record_run_files, out_dir, run_files, before, lock)
     return lock, replacing
+
+
+# Out dirs (resolved) whose earlier run this process replaces, once its first output exists -> (the earlier run's
+# files, the new owner entry, the log names, what is under them now). Kept here, not returned: checkpoint.claim_run
+# takes the claim, and the run's log, which writes that output's line, asks.
+_REPLACING: dict[str, tuple] = {}
+
+
+def replacing(out_dir: str) -> bool:
+    """Whether this process replaces the earlier run in out_dir (--overwrite) and its first output is not there yet."""
+    return os.path.realpath(out_dir) in _REPLACING
+
+
+def replace_earlier(out_dir: str) -> None:
+    """Remove the files the earlier run in out_dir recorded writing, and make this run its owner: called once this
+    run's first output (a checkpoint, the export, an evaluation's line) exists, so a run stopped before it (Ctrl-C,
+    a kill) leaves the earlier one whole. Only the first call of a replacing run does anything."""
+    if (pending := _REPLACING.pop(os.path.realpath(out_dir), None)) is None:
+        return
+    old, owner, names, before = pending
+    # Only files the earlier run recorded writing: never a whole directory, never a name's pattern.
+    _remove_files(out_dir, [name for name in old if name not in (".", "..")])
+    _write_marker(out_dir, _marker(out_dir).get("outputs", []), {**owner, "time": _now()})
+    before.clear()  # what is left under the log's names is not this run's: at exit it is not recorded as written
+    before.update(_files_under(out_dir, names))
 
 
 def _files_under(out_dir: str, names: Iterable[str]) -> dict[str, tuple[int, int]]:
@@ -409,7 +445,7 @@ def _record_run_files(out_dir: str, names: Iterable[str], before: dict, lock: IO
     # At exit the owner entry lists the files this run wrote under its log names (and those an earlier process
     # of the same run recorded), so a later --overwrite removes exactly them: a file a user put beside them stays.
     with contextlib.suppress(OSError, OutputError):
-        if lock.closed:  # the claim was given back (a test, or a refusal): nothing of ours to record
+        if lock.closed or replacing(out_dir):  # given back (a refusal), or it never replaced the earlier run
             return
         marker = _marker(out_dir)
         owner = marker.get("owner")
@@ -485,9 +521,11 @@ def _staged_files(stage_dir: str) -> list[str]:
     return sorted(files, key=lambda f: (f.endswith(".json"), f))
 
 
-def _check_no_conflicts(out_dir: str, files: list[str]) -> None:
-    # Check before anything moves, because a failure halfway through would leave a mixed directory.
-    for rel in files:
+def _check_no_conflicts(out_dir: str, files: list[str], replaces: Iterable[str]) -> None:
+    # Check before anything moves, because a failure halfway through would leave a mixed directory. A file no record
+    # lists is a user's: never replaced, and never left beside the output when a reader would load it instead.
+    recorded = {f for r in _read_marker(out_dir) for f in r["files"]}
+    for rel in [*files, *(f for f in replaces if f not in files)]:
         if rel == MARKER:
             raise ValueError(f"staged_output: a stage may not write the marker file {MARKER} itself")
         target = os.path.join(out_dir, rel)
@@ -495,6 +533,9 @@ def _check_no_conflicts(out_dir: str, files: list[str]) -> None:
             raise OutputError(f"{os.path.dirname(target)} leads outside {out_dir} (a link); the output goes in there")
         if os.path.isdir(target):
             raise IsADirectoryError(f"{target} is a directory; the new output has a file there")
+        if os.path.lexists(target) and rel not in recorded:
+            why = "the new output has a file of that name" if rel in files else "a reader would load it, not the output"
+            raise OutputError(f"{shown(target)}: no minilm-az output recorded writing it, and {why}; move it away")
         parent = os.path.dirname(rel)
         while parent:
             path = os.path.join(out_dir, parent)
@@ -541,8 +582,8 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
 
     On an exception inside the block the staging dir is removed and `out_dir` is left as it was.
     Files of the previous output of the same `stage` that the new one lacks are removed (the marker
-    listed them); `replaces` names files removed even without a record (another layout of the same
-    output, e.g. model.safetensors when writing a sharded export).
+    listed them); `replaces` names another layout of the same output (model.safetensors beside a sharded
+    export): removed where a record lists it, refused where none does (a reader would load it instead).
     """
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -555,7 +596,7 @@ def staged_output(out_dir: str, stage: str = "", replaces: Iterable[str] = ()) -
     try:
         yield stage_dir
         files = _staged_files(stage_dir)
-        _check_no_conflicts(out_dir, files)
+        _check_no_conflicts(out_dir, files, replaces)
         _commit(out_dir, stage_dir, files, stage, replaces)
     except BaseException as e:
         shutil.rmtree(stage_dir, ignore_errors=True)
@@ -585,3 +626,4 @@ def _commit(out_dir: str, stage_dir: str, files: list[str], stage: str, replaces
     _move_in(stage_dir, out_dir, files)
     _remove_files(out_dir, stale)
     _write_marker(out_dir, [*others, {"stage": stage, "files": files, "time": _now(), "complete": True}])
+    replace_earlier(out_dir)  # an output of this run exists now: the run it replaces has had its time

@@ -46,11 +46,15 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # recorded the files a run writes so cleanup removes only those: +276 lines; its audit's finds (a flag that
     # does nothing in a mode, the reverse of `needs`; staging dirs known by their mark, not their name; no write
     # through a link in --out; SageMaker defaults only for what the command line left out; a filter's threshold
-    # refused when the filter is off; S3 bucket names checked): +130 more. Issue 37's review: +53 (a URL of another
-    # form than s3:// refused, the step a checkpoint records checked against its folder's name, S3's own error code
-    # kept in the line, each object's ETag in the commit, another live run's commit on the prefix detected).
+    # refused when the filter is off; S3 bucket names checked): +130 more. Its second audit's finds (an --overwrite
+    # removes the earlier run's files only once its own first output exists, its log holding its lines until then; a
+    # merged model goes with the adapter it came from; an export replaces no file no record lists, where it removed
+    # weight names by pattern; a removed working directory is one line before torch's import dies on it): +64.
+    # Issue 37's review: +53 (a URL of another form than s3:// refused, the step a checkpoint records checked
+    # against its folder's name, S3's own error code kept in the line, each object's ETag in the commit, another
+    # live run's commit on the prefix detected).
     # Grow it only with a reason written here.
-    assert sum(lines.values()) <= 5334, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 5398, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from minilm_az.lora import ADAPTER_STAGE, apply_lora, load_adapter, save_adapter
 from minilm_az.model import ModelConfig, build_model
 from minilm_az.outputs import (
     MARKER,
+    OutputError,
     atomic_write_json,
     atomic_write_text,
     staged_output,
@@ -190,18 +192,26 @@ def test_sharded_export_replacing_a_single_file_leaves_no_stale_weights(mount):
     assert sorted(os.listdir(mount)) == ["config.json", "metrics.jsonl", MARKER, "model.safetensors"]
 
 
-def test_an_unmarked_previous_export_loses_only_its_weight_layout(tmp_path):
+def test_weights_no_record_lists_are_never_removed_and_an_index_a_reader_would_load_is_refused(tmp_path):
+    """A file of a weight layout's name that no run recorded writing is a user's (issue 38): an export removes only
+    the files its marker lists, never a name's pattern; an index beside it would be loaded instead of the export."""
     out = tmp_path / "hf"
     out.mkdir()
-    for f in (
-        "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors",
-        "model.safetensors.index.json",
-        "README.md",
-    ):
+    theirs = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "README.md")
+    for f in (*theirs, "model.safetensors.index.json"):
         (out / f).write_text("from another tool")
+    with pytest.raises(OutputError, match="model.safetensors.index.json: no minilm-az output recorded writing it"):
+        save_pretrained(build_model(CFG, seed=1), str(out))
+    assert sorted(os.listdir(out)) == sorted([*theirs, "model.safetensors.index.json"])
+    os.remove(out / "model.safetensors.index.json")
     save_pretrained(build_model(CFG, seed=1), str(out))
-    assert sorted(os.listdir(out)) == ["README.md", "config.json", MARKER, "model.safetensors"]
+    assert sorted(os.listdir(out)) == sorted([*theirs, "config.json", MARKER, "model.safetensors"])
+    assert all((out / f).read_text() == "from another tool" for f in theirs)
+    (out / "tokenizer.json").write_text("mine")  # a name the next output writes, which no record lists: refused
+    with pytest.raises(OutputError, match="tokenizer.json: no minilm-az output recorded writing it, and the new"):
+        with staged_output(str(out), stage="tokenizer") as tmp:
+            (Path(tmp) / "tokenizer.json").write_text("{}")
+    assert (out / "tokenizer.json").read_text() == "mine"
 
 
 def test_only_files_the_previous_record_listed_are_removed(tmp_path):

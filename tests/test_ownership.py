@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from minilm_az.checkpoint import check, step_dirs
-from minilm_az.outputs import LOCK, MARKER, OutputError, claim, lock_dir, staged_output
+from minilm_az.outputs import LOCK, MARKER, OutputError, claim, lock_dir, replace_earlier, staged_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,9 +56,14 @@ def test_overwrite_removes_only_what_the_marker_lists(tmp_path):
     assert owner["files"] == ["metrics.jsonl", "tensorboard/events"], owner
     _write(os.path.join(out, "notes.txt"))  # owned dir, a file no record lists: it stays
     _write(os.path.join(out, "tensorboard", "mine"))  # beside the run's events: the user's, it stays
+    marker = open(os.path.join(out, MARKER)).read()
     lock, replacing = claim(out, "train.py", True, run="r2", run_files=("metrics.jsonl", "tensorboard"))
+    # Nothing goes before the new run's first output exists: a run stopped before it leaves the earlier one whole.
+    assert replacing and os.path.exists(os.path.join(out, "metrics.jsonl"))
+    assert open(os.path.join(out, MARKER)).read() == marker
+    replace_earlier(out)
     lock.close()
-    assert replacing and sorted(os.listdir(out)) == sorted([LOCK, MARKER, "notes.txt", "tensorboard"])
+    assert sorted(os.listdir(out)) == sorted([LOCK, MARKER, "notes.txt", "tensorboard"])
     assert os.listdir(os.path.join(out, "tensorboard")) == ["mine"]
     assert json.load(open(os.path.join(out, MARKER)))["owner"]["run"] == "r2"
 
@@ -217,7 +222,9 @@ def test_an_owner_entry_never_removes_out_dir_itself_or_anything_above_it(tmp_pa
     marker = json.load(open(os.path.join(out, MARKER)))
     marker["owner"]["files"] = [entry]
     json.dump(marker, open(os.path.join(out, MARKER), "w"))
-    claim(out, "train.py", True, run="r2")[0].close()  # --overwrite from other inputs: only what is listed goes
+    lock, _ = claim(out, "train.py", True, run="r2")  # --overwrite from other inputs: only what is listed goes
+    replace_earlier(out)
+    lock.close()
     assert os.path.exists(os.path.join(out, "notes.txt")) and os.path.exists(tmp_path / "p" / "victim.txt")
 
 

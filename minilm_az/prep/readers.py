@@ -57,6 +57,11 @@ def _zstd_error() -> type[Exception]:
     return zstandard.ZstdError
 
 
+def _unlistable(e: OSError) -> None:
+    # os.walk passes over a directory it cannot list; a corpus directory that cannot be listed is an error.
+    raise CorpusError(f"{shown(e.filename)}: cannot list the corpus directory ({e.strerror})")
+
+
 def corpus_files(paths: Iterable[str]) -> list[str]:
     """Expand corpus paths (files and directories, searched recursively) into a sorted file list.
 
@@ -67,7 +72,9 @@ def corpus_files(paths: Iterable[str]) -> list[str]:
     for p in paths:
         if os.path.isdir(p):
             found, skipped = [], []
-            for root, dirs, names in os.walk(p):
+            for root, dirs, names in os.walk(p, onerror=_unlistable):
+                if names and not os.access(root, os.X_OK):  # its names list, but no file in it opens: not "no corpus"
+                    raise CorpusError(f"{shown(root)}: permission denied: without search (x) permission no file opens")
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(n for n in names if not n.startswith(".") and n not in OWN_FILES):
                     if name.endswith(CORPUS_SUFFIXES) and os.path.isfile(os.path.join(root, name)):  # no pipes
