@@ -188,15 +188,33 @@ def _write_rank_files(tmp: str, step: int, train_state: dict, rank: int) -> None
         atomic_write_json(os.path.join(tmp, "train_state.json"), {**train_state, "step": step, "world_size": world})
 
 
+# The files a save writes into its dir (DCP's data and metadata, with their temporary names, and ours).
+_SAVED = re.compile(
+    r"__\d+_\d+\.distcp|rng-\d{5}\.safetensors|(__\d+)?\.metadata(\.tmp)?|train_state\.json|manifest-\d{5}\.json"
+    r"|\.(train_state\.json|manifest-\d{5}\.json)\.\w+\.tmp"
+)
+
+
 def _prune(ckpt_dir: str, kept: list[str]) -> None:
     """Remove every checkpoint dir but `kept`, and the staging dirs of saves that never finished.
 
     The others are older than --keep-checkpoints, incomplete (a save or sync that never finished: nothing can
-    complete it now), or another run's that this one did not continue (left, they could be resumed instead).
+    complete it now), or another run's that this one did not continue or replaces (--overwrite). Only the files a
+    save writes go: a dir that holds anything else keeps it, renamed NAME.kept so that no resume takes it for one.
     """
     for name in os.listdir(ckpt_dir):
         if (OURS.fullmatch(name) and name not in kept) or (name.startswith("step-") and name.endswith(STAGING)):
-            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+            path = os.path.join(ckpt_dir, name)
+            try:
+                for file in os.listdir(path):
+                    if _SAVED.fullmatch(file) and not os.path.isdir(os.path.join(path, file)):
+                        os.remove(os.path.join(path, file))
+                if os.listdir(path):
+                    os.rename(path, f"{path}.kept")
+                else:
+                    os.rmdir(path)
+            except OSError:  # what stays is pruned by the next save's finalize; the run goes on
+                pass
 
 
 def _inner(e: BaseException) -> BaseException:
@@ -432,16 +450,14 @@ class Checkpointer:
         return step
 
     def _fresh(self, overwrite: bool) -> int:
-        """Remove an earlier run's checkpoints with --overwrite; refused without (its first save would prune them)."""
+        """Replace an earlier run's checkpoints with --overwrite (once this run's first save is complete); refused
+        without (its first save would prune them)."""
         names = _agreed(step_dirs(self.ckpt_dir), self.ckpt_dir, self.proc)
         if names and not overwrite:
             raise CheckpointError(
                 f"{self.ckpt_dir} holds an earlier run's checkpoints ({names[0]}): --overwrite replaces them"
             )
-        if names and self.proc.local_rank == 0:  # one rank per disk
-            _prune(self.ckpt_dir, [])
-        self._barrier()
-        return 0
+        return 0  # the first save's finalize prunes them: a run stopped before it leaves them whole
 
 
 # ---------------------------------------------------------------- checkpoints on S3
@@ -491,6 +507,7 @@ class S3Checkpointer(Checkpointer):
         self.store = s3.Store(ckpt_dir)
         super().__init__(self.store.uri, proc, keep, async_save)
         self.seen: set[str] = set()  # the folders under the prefix when this run started (resume or _fresh)
+        self.replaced: set[str] = set()  # an earlier run's checkpoints this one replaces (--overwrite)
 
     def _key(self, name: str, file: str = "") -> str:
         return self.store.where.key(name, file)
@@ -612,7 +629,9 @@ class S3Checkpointer(Checkpointer):
         newest = max((int(OURS.fullmatch(n).group(1)) for n in kept if OURS.fullmatch(n)), default=None)
         for name, files in sorted(self._listing().items()):
             match = OURS.fullmatch(name)
-            if not match or name in kept or (newest is not None and int(match.group(1)) > newest):
+            if not match or name in kept:
+                continue
+            if newest is not None and int(match.group(1)) > newest and name not in self.replaced:
                 continue
             for file in sorted(files, key=lambda f: f != COMMIT):
                 try:
@@ -703,9 +722,7 @@ class S3Checkpointer(Checkpointer):
             raise CheckpointError(
                 f"{self.ckpt_dir} holds an earlier run's checkpoints ({names[-1]}): --overwrite replaces them"
             )
-        if names and self.proc.rank == 0:
-            self._prune(keep=[])
-        self._barrier()
+        self.replaced = {n for n in names if OURS.fullmatch(n)}  # pruned by the first commit, whatever their steps
         return 0
 
 

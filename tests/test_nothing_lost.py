@@ -336,6 +336,24 @@ def check_user_file_stays(r):
         assert f.read() == "mine\n"
 
 
+def run_with_a_note_in_its_checkpoint(fx, w):
+    """A copy of M whose checkpoint dir holds a user's note beside the save's files."""
+    x = _copy(fx["M"], os.path.join(w, "run"))
+    (step,) = os.listdir(os.path.join(x, "checkpoints", "phase2"))
+    with open(os.path.join(x, "checkpoints", "phase2", step, "NOTE.txt"), "w") as f:
+        f.write("mine\n")
+    return {"X": x, "STEP": step}
+
+
+def check_note_kept_beside_the_pruned_checkpoint(r):
+    phase2 = os.path.join(r.paths["X"], "checkpoints", "phase2")
+    kept = os.path.join(phase2, r.paths["STEP"] + ".kept")
+    assert sorted(os.listdir(kept)) == ["NOTE.txt"], sorted(os.listdir(phase2))  # the save's own files went
+    with open(os.path.join(kept, "NOTE.txt")) as f:
+        assert f.read() == "mine\n"
+    assert not os.path.exists(os.path.join(phase2, r.paths["STEP"])), "the pruned checkpoint is still there"
+
+
 def check_own_out_under_sagemaker(r):
     new = os.path.join(r.paths["W"], "new")
     assert os.listdir(os.path.join(new, "checkpoints", "phase2")), "the checkpoints did not go beside --out"
@@ -389,6 +407,14 @@ ROWS = [
         prep=run_without_tensorboard,
         changes=("{X}",),
         check=check_user_file_stays,
+    ),
+    Row(  # a pruned checkpoint's dir loses the save's files; a file a user put there stays, its dir renamed .kept
+        "f2_prune_keeps_a_users_note_in_a_checkpoint_dir",
+        f"{TR} --steps 3 --checkpoint-every 1 --keep-checkpoints 1 --out {{X}}",
+        code=0,
+        prep=run_with_a_note_in_its_checkpoint,
+        changes=("{X}",),
+        check=check_note_kept_beside_the_pruned_checkpoint,
     ),
     Row(  # a user's ".staging-backup" is no staging dir of ours: the dir is not empty, and nothing in it goes
         "f2_users_staging_named_dir_stays",
@@ -609,14 +635,13 @@ ROWS = [
         )
         for sig in (signal.SIGKILL, signal.SIGINT)
     ),
-    Row(  # its checkpoints too: Checkpointer._fresh (checkpoint.py, not this change's) still prunes them at start
+    Row(  # its checkpoints too: the first save's finalize prunes them, not Checkpointer._fresh at start
         "c_train_overwrite_sigkill_before_its_first_checkpoint_keeps_the_earlier_checkpoints",
         f"{TR} {LONG} --resume never --overwrite --out {{X}}",
         code=-signal.SIGKILL,
         prep=run_copy,
         signal=signal.SIGKILL,
         after="train step=1 ",
-        marks=(pytest.mark.xfail(strict=True, reason="checkpoint.py: Checkpointer._fresh prunes at start"),),
     ),
     Row(  # SIGTERM saves a checkpoint, the run's first output: then, and only then, the earlier log goes
         "c_train_overwrite_sigterm_replaces_the_earlier_log_once_its_checkpoint_exists",
