@@ -599,7 +599,7 @@ class S3Checkpointer(Checkpointer):
                         )
                     objects = listing.get(name, {})
                     objects.pop(COMMIT, None)
-                    missing = self._expected(name) - set(objects)
+                    missing = self._expected(self.proc.world_size) - set(objects)
                     if missing:  # S3 lists what it holds: a commit must never name an object it lacks
                         raise CheckpointError(f"{sorted(missing)[0]} is not in S3's listing")
                     sizes, etags = ({f: info[i] for f, info in objects.items()} for i in (0, 1))
@@ -616,10 +616,10 @@ class S3Checkpointer(Checkpointer):
         self._barrier()
         return f"{self.ckpt_dir}/{name}"
 
-    def _expected(self, name: str) -> set[str]:
-        """The objects a save of this job writes besides DCP's data files: every rank's RNG, the state, .metadata."""
-        ranks = range(self.proc.world_size)
-        return {".metadata", "train_state.json", *(f"rng-{r:05d}.safetensors" for r in ranks)}
+    @staticmethod
+    def _expected(world_size: int) -> set[str]:
+        """The objects a save on `world_size` ranks writes besides DCP's data: each rank's RNG, the state, .metadata."""
+        return {".metadata", "train_state.json", *(f"rng-{r:05d}.safetensors" for r in range(world_size))}
 
     def _prune(self, keep: list[str] | None = None) -> None:
         """Delete this code's checkpoints that the newest commit supersedes: committed ones older than the kept,
@@ -674,10 +674,15 @@ class S3Checkpointer(Checkpointer):
             try:
                 commit = json.loads(self.store.get(self._key(name, COMMIT)))
                 held = listing[name]  # an object written again after its commit has another ETag, whatever its size
-                absent = [f for f, size in commit["objects"].items() if held.get(f, (None,))[0] != size]
-                absent += [f for f, etag in commit.get("etags", {}).items() if held.get(f, (0, None))[1] != etag]
+                # every object a save of its world size writes must be there, not only those the commit lists
+                absent = sorted(self._expected(commit["world_size"]) - set(commit["objects"]))
+                absent += [f for f, size in commit["objects"].items() if held.get(f, (None,))[0] != size]
+                absent += [f for f, etag in commit["etags"].items() if held.get(f, (0, None))[1] != etag]
                 if absent:
-                    raise CheckpointError(f"{absent[0]}, listed by {COMMIT}, is missing or not as committed in S3")
+                    raise CheckpointError(
+                        f"{absent[0]}, for {COMMIT}, is missing or not as committed in S3 (another size or ETag: "
+                        "written again, or copied, which gives new ETags; resume from the prefix it was saved to)"
+                    )
                 saved = json.loads(self.store.get(self._key(name, "train_state.json")))
                 if problem := _step_problem(name, saved) or _step_problem(name, commit):
                     raise CheckpointError(problem)

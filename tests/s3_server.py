@@ -9,8 +9,9 @@
 
 Faults apply to PUT requests (single PUTs and the parts of multipart uploads) whose path matches `match`:
 `put_status` answers `put_share` of them with that status and S3's XML error body; `put_delay_s` holds each one
-that long first; `reset_share` closes the connection without an answer (a TCP reset) instead. They are read
-from a JSON file at each request, so a test changes them while a job runs, without restarting the server.
+that long first; `reset_share` closes the connection without an answer (a TCP reset) instead; with `once` a
+fault hits only the first try of each request, so every retry passes (a test that must not depend on luck). They
+are read from a JSON file at each request, so a test changes them while a job runs, without restarting the server.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def _credentials() -> dict[str, str]:
 def _with_faults(app, faults_file: str):
     """moto's WSGI app behind the faults of `faults_file` (re-read when it changes)."""
     state = {"mtime": None, "faults": {}}
+    tried: set[str] = set()  # requests a `once` fault has hit: their retries pass
 
     def current() -> dict:
         mtime = os.stat(faults_file).st_mtime_ns
@@ -134,19 +136,32 @@ def _with_faults(app, faults_file: str):
         path = environ.get("PATH_INFO", "")
         if environ["REQUEST_METHOD"] == "PUT" and faults and re.search(faults.get("match", ""), path):
             time.sleep(float(faults.get("put_delay_s", 0)))
+            request = f"{path}?{environ.get('QUERY_STRING', '')}"
+            if faults.get("once"):  # the first try of each request (an object, a part) fails, its retry passes
+                if request in tried:
+                    return app(environ, start_response)
+                tried.add(request)
+            length = environ.get("CONTENT_LENGTH")
             if random.random() < float(faults.get("reset_share", 0)):
                 sock = environ.get("werkzeug.socket")
                 if sock is not None:  # SO_LINGER 0: close() sends a reset, not a FIN
+                    if length:  # once the body is in: the client then sees the reset at once, not a timeout
+                        environ["wsgi.input"].read(int(length))
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     sock.close()
                     return []
             if random.random() < float(faults.get("put_share", 0)):
                 status = int(faults.get("put_status", 503))
-                code = {500: "InternalError", 503: "SlowDown"}.get(status, "InternalError")
+                code = {403: "AccessDenied", 500: "InternalError", 503: "SlowDown"}.get(status, "InternalError")
                 body = f"<Error><Code>{code}</Code><Message>injected by s3_server</Message></Error>".encode()
                 headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
+                # Read the body the request declares, so that the client reads the answer at once (an unbounded
+                # read waited ~32 s for more); one of unknown length is not read, and the connection closes.
+                if length:
+                    environ["wsgi.input"].read(int(length))
+                else:
+                    headers.append(("Connection", "close"))
                 start_response(f"{status} Injected", headers)
-                environ["wsgi.input"].read()  # drain the body, so that the client reads the answer
                 return [body]
         return app(environ, start_response)
 

@@ -50,12 +50,13 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # removes the earlier run's files only once its own first output exists, its log holding its lines until then; a
     # merged model goes with the adapter it came from; an export replaces no file no record lists, where it removed
     # weight names by pattern; a removed working directory is one line before torch's import dies on it): +64.
-    # Issue 37's review: +53 (a URL of another form than s3:// refused, the step a checkpoint records checked
+    # Issue 37's review: +58 (a URL of another form than s3:// refused, the step a checkpoint records checked
     # against its folder's name, S3's own error code kept in the line, each object's ETag in the commit, another
-    # live run's commit on the prefix detected). Issue 38's prune: +17 (a pruned checkpoint loses only the files a
-    # save writes, a user's file kept in NAME.kept; an --overwrite's earlier checkpoints go at its first commit).
+    # live run's commit on the prefix detected, a commit held to every object its world size writes). Issue 38's
+    # prune: +17 (a pruned checkpoint loses only the files a save writes, a user's file kept in NAME.kept; an
+    # --overwrite's earlier checkpoints go at its first commit).
     # Grow it only with a reason written here.
-    assert sum(lines.values()) <= 5415, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 5420, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"
