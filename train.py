@@ -213,7 +213,7 @@ def run_identity(plan: TrainPlan) -> tuple[dict, dict]:
     data, tokenizer = shards.content_id(flags.data), tk.tokenizer_hash(flags.tokenizer)  # by content, every byte
     must = dict(phase=flags.phase, data=data, tokenizer=tokenizer, preset=None if flags.base_model else flags.preset)
     must["base_model"] = model_fingerprint(flags.base_model)
-    return must, {"seed": flags.seed, "global_batch": flags.global_batch, "seq_len": plan.seq_len}
+    return must, dict(seed=flags.seed, global_batch=flags.global_batch, seq_len=plan.seq_len, lr=plan.lr)
 
 
 def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
@@ -229,7 +229,7 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
     optimizer = adamw(model, plan.lr, (flags.beta1, flags.beta2), flags.weight_decay, proc.device.type == "cuda")
     parallel.fp8_scale_hook(model, optimizer, on=plan.fp8_all_gather)
     must["model"] = model.config.to_dict()
-    ckpt_dir = os.path.join(plan.checkpoint_dir, f"phase{flags.phase}")
+    ckpt_dir = checkpoint.phase_dir(plan.checkpoint_dir, flags.phase)
     ckpt = checkpoint.open_checkpoints(ckpt_dir, proc, flags.keep_checkpoints, flags.async_checkpoint)
     state = dict(model=model, optimizer=optimizer, train_state={**must, **may})  # what each checkpoint holds
     control = checkpoint.RunControl(ckpt, proc, state, flags.checkpoint_every, flags.checkpoint_minutes, log)

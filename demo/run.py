@@ -633,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.procs = args.procs
     if not args.name or args.name in (".", "..") or "/" in args.name:
         p.error(f"--name {args.name!r}: a run name is one plain directory name under --runs-dir")
+    if not args.runs_dir.strip():  # "" would put the run in the working directory, where nobody named it
+        p.error("--runs-dir is empty: give the parent of the run directory (default: runs)")
     if os.path.lexists(args.runs_dir) and not os.path.isdir(args.runs_dir):
         from minilm_az.outputs import describe
 

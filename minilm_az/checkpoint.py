@@ -474,6 +474,15 @@ class Checkpointer:
 COMMIT = "commit.json"
 
 
+def phase_dir(ckpt_dir: str, phase: int) -> str:
+    """ckpt_dir/phaseN, where train.py's phase saves. A link there is refused: no flag named it, and the saves and
+    their prunes would go wherever it points (another run's dir, the shards)."""
+    path = os.path.join(ckpt_dir, f"phase{phase}")
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symlink to {os.path.realpath(path)}; a run never writes through a link")
+    return path
+
+
 def open_checkpoints(ckpt_dir: str, proc: Process, keep: int = 2, async_save: bool = True) -> Checkpointer:
     """The Checkpointer for `ckpt_dir`: a local (or shared) directory, or an s3:// prefix. Collective."""
     return (

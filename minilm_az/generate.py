@@ -101,6 +101,8 @@ def talk(model: Llama, tok: Tokenizer, system: str | None, stdin: TextIO, out: T
             print("# conversation cleared", file=err, flush=True)
         elif command == "/help":
             print(f"# {HELP}", file=err, flush=True)
+        elif line.encode("utf-8", "surrogateescape") != line.encode("utf-8", "replace"):  # bytes that are no text
+            print("# that line is not valid UTF-8: not sent", file=err, flush=True)
         elif command:
             history.append({"role": "user", "content": line.rstrip("\n")})
             reply = generate(model, tok, history, **kw)

@@ -144,7 +144,8 @@ def print_error(prog: str, error: BaseException | str) -> None:
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary, the log's last lines, shows it
         with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
-    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
+    rank = os.environ.get("LOCAL_RANK", "0")  # set by hand outside torchrun (or not a number): still said
+    if not rank.isdigit() or int(rank) == 0 or os.environ.get("WORLD_SIZE", "1") in ("", "1"):
         print(line, file=sys.stderr)
         if out := os.environ.get("SM_OUTPUT_DIR"):  # SageMaker's /opt/ml/output; the first line written stays
             with contextlib.suppress(OSError), open(os.path.join(out, "failure"), "x", encoding="utf-8") as f:

@@ -110,6 +110,8 @@ def train_tokenizer(
             f"vocab size {vocab_size} is too small: it must hold the 256 bytes and "
             f"{len(SPECIAL_TOKENS)} special tokens (at least {MIN_VOCAB_SIZE})"
         )
+    if vocab_size >= 2**31:  # past this, the trainer's own integers overflow (a Rust panic, not an error)
+        raise ValueError(f"vocab size {vocab_size} is too large: ids must fit 31 bits (below {2**31:,})")
     if min_frequency < 1:
         raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
     tok = new_tokenizer()

@@ -354,6 +354,18 @@ def check_note_kept_beside_the_pruned_checkpoint(r):
     assert not os.path.exists(os.path.join(phase2, r.paths["STEP"])), "the pruned checkpoint is still there"
 
 
+def phase_dir_links_to_a_copy_of_the_shards(fx, w):
+    """A copy of M whose checkpoints/phase2 is a link to a copy of the shards (the fourth audit's find)."""
+    x, shards = _copy(fx["M"], os.path.join(w, "run")), _copy(fx["S"], os.path.join(w, "sh"))
+    shutil.rmtree(os.path.join(x, "checkpoints", "phase2"))
+    os.symlink(shards, os.path.join(x, "checkpoints", "phase2"))
+    return {"X": x}
+
+
+def check_changed_lr_warned(r):
+    assert "with changed lr=0.0024->0.001" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
 def check_own_out_under_sagemaker(r):
     new = os.path.join(r.paths["W"], "new")
     assert os.listdir(os.path.join(new, "checkpoints", "phase2")), "the checkpoints did not go beside --out"
@@ -494,16 +506,47 @@ ROWS = [
     Row("f5_adapter_on_a_training_run", f"{FT} --adapter {{A}} {NEW}", "--adapter does nothing without --chat"),
     Row("f5_tokenize_out_empty", f'python tokenize.py train --corpus {KDE} --out ""', "--out is empty"),
     Row("f5_demo_procs_0", "python -m demo --procs 0 --runs-dir {W}", "--procs", prog="python -m demo"),
+    Row(  # "" put the run in the working directory (the fourth audit's find)
+        "f5_demo_runs_dir_empty",
+        "python -m demo --quick --runs-dir '' --name nl-empty-runs-dir",
+        "--runs-dir is empty",
+        prog="python -m demo",
+        absent=("nl-empty-runs-dir",),
+    ),
+    Row(  # a resumed run with another --lr says so (it said nothing, and the finished run re-exported its model)
+        "f5_resume_with_changed_lr_warns",
+        f"{TR} --lr 0.001 --out {{X}}",
+        code=0,
+        prep=run_copy,
+        changes=("{X}",),
+        check=check_changed_lr_warned,
+    ),
     *(
         Row(f"f5_env_{var.lower()}_{i}", f"{TR} {NEW}", var, env={var: value})
         for var, values in (
             ("MINILM_AZ_COLLECTIVE_TIMEOUT_S", ("abc", "inf", "-5", "1e300")),  # 1e300: a traceback (C int)
             ("OMP_NUM_THREADS", ("0", "4,2", "", "999999999999")),  # "": libgomp's line alone; a C int's overflow
             ("WORLD_SIZE", ("abc",)),
+            ("LOCAL_RANK", ("abc",)),  # set by hand outside torchrun: its error line was never printed
         )
         for i, value in enumerate(values)
     ),
     Row("f5_env_world_size_finetune", f"{FT} {NEW}", "WORLD_SIZE", env={"WORLD_SIZE": "abc"}),
+    Row(  # the tokenizer trainer's own integers overflowed: a Rust panic, and a marker left in --out
+        "f5_vocab_size_past_31_bits",
+        f"python tokenize.py train --corpus {KDE} --vocab-size 99999999999 --out {{W}}/t",
+        "vocab size 99999999999 is too large",
+        absent=("{W}/t",),
+    ),
+    Row(  # a chat line of bytes that are no UTF-8 was a TypeError traceback from the tokenizer
+        "f5_chat_line_not_utf8",
+        """sh -c 'printf "Sal\\377am\\nSalam\\n" | "$0" finetune.py --model {M} --adapter {A} --chat \
+        --max-new-tokens 2' {PY}""",
+        code=0,
+        prog="finetune.py",
+        prep=lambda fx, w: {"PY": sys.executable},
+        check=lambda r: "# that line is not valid UTF-8: not sent" in r.stderr or pytest.fail(r.stderr[-2000:]),
+    ),
     Row(
         "f5_eval_only_steps",
         f"python train.py --eval-only --base-model {{M}} --tokenizer {{M}} --steps 5 {NEW}",
@@ -551,6 +594,12 @@ ROWS = [
         check=check_own_out_under_sagemaker,
     ),
     # 8. errors say what was found
+    Row(  # a link where train.py puts phase 2's saves: they went into the shards it points at (fourth audit)
+        "f8_phase_dir_is_a_link",
+        f"{TR} --overwrite --out {{X}}",
+        "checkpoints/phase2 is a symlink to",
+        prep=phase_dir_links_to_a_copy_of_the_shards,
+    ),
     Row("f8_out_dangling_link", f"{TR} --out {{X}}", "a symlink to", prep=out_dangling_link, absent=("{W}/nowhere",)),
     Row("f8_lock_is_a_directory", f"{TR} --out {{X}}", "where the run's lock file goes", prep=lock_is_dir),
     Row("f8_corpus_dev_null", "python tokenize.py train --corpus /dev/null --out {W}/tok", "a character device"),
