@@ -144,12 +144,18 @@ def print_error(prog: str, error: BaseException | str) -> None:
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's summary, the log's last lines, shows it
         with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)
-    rank = os.environ.get("LOCAL_RANK", "0")  # set by hand outside torchrun (or not a number): still said
-    if not rank.isdigit() or int(rank) == 0 or os.environ.get("WORLD_SIZE", "1") in ("", "1"):
+    if prints_errors():
         print(line, file=sys.stderr)
         if out := os.environ.get("SM_OUTPUT_DIR"):  # SageMaker's /opt/ml/output; the first line written stays
             with contextlib.suppress(OSError), open(os.path.join(out, "failure"), "x", encoding="utf-8") as f:
                 f.write(line + "\n")
+
+
+def prints_errors() -> bool:
+    """Local rank 0 of a torchrun job prints error lines for its host; a process alone always does (LOCAL_RANK set by
+    hand, or not a number, hid why it stopped)."""
+    rank = os.environ.get("LOCAL_RANK", "0")
+    return not rank.isdigit() or int(rank) == 0 or os.environ.get("WORLD_SIZE", "1") in ("", "1")
 
 
 class MetricLogger:

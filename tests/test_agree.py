@@ -59,10 +59,15 @@ def test_three_ranks_failing_differently_name_the_first_and_count_the_rest(tmp_p
     assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == [want] * 3
 
 
-@pytest.mark.parametrize("local_rank, printed", [("0", True), ("1", False)])
-def test_errors_print_once_per_host_on_its_local_rank_0(local_rank, printed):
+@pytest.mark.parametrize(
+    "local_rank, world_size, printed", [("0", "16", True), ("1", "16", False), ("1", None, True), ("abc", "16", True)]
+)
+def test_errors_print_once_per_host_on_its_local_rank_0(local_rank, world_size, printed):
+    """Under torchrun (WORLD_SIZE > 1) only local rank 0 prints; a process alone, or a LOCAL_RANK that is no number
+    (set by hand), always says why it stops."""
     code = "from minilm_az.logs import print_error; print_error('train.py', ValueError('rank 9 on algo-2: x'))"
-    env = {**os.environ, "RANK": "9", "LOCAL_RANK": local_rank}
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"RANK": "9", "LOCAL_RANK": local_rank}
+    env |= {"WORLD_SIZE": world_size} if world_size else {}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.stderr == ("train.py: error: rank 9 on algo-2: x\n" if printed else ""), r.stderr
 

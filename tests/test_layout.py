@@ -54,11 +54,11 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # against its folder's name, S3's own error code kept in the line, each object's ETag in the commit, another
     # live run's commit on the prefix detected, a commit held to every object its world size writes). Issue 38's
     # prune: +17 (a pruned checkpoint loses only the files a save writes, a user's file kept in NAME.kept; an
-    # --overwrite's earlier checkpoints go at its first commit). The fourth audit's finds: +14 (a link where a
+    # --overwrite's earlier checkpoints go at its first commit). The fourth audit's finds (a link where a
     # phase's checkpoints go, a vocab size past 31 bits, a chat line that is no UTF-8, an error line when
-    # LOCAL_RANK is set by hand outside torchrun).
+    # LOCAL_RANK is set by hand outside torchrun, one rule for it that the flag parser shares): +20.
     # Grow it only with a reason written here.
-    assert sum(lines.values()) <= 5434, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 5440, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"

@@ -531,6 +531,7 @@ ROWS = [
         )
         for i, value in enumerate(values)
     ),
+    Row("f5_env_local_rank_by_hand_flag_error", f"{TR} --steps abc {NEW}", "--steps", env={"LOCAL_RANK": "1"}),
     Row("f5_env_world_size_finetune", f"{FT} {NEW}", "WORLD_SIZE", env={"WORLD_SIZE": "abc"}),
     Row(  # the tokenizer trainer's own integers overflowed: a Rust panic, and a marker left in --out
         "f5_vocab_size_past_31_bits",

@@ -17,6 +17,7 @@ import os
 import sys
 
 from minilm_az.config import CONTAINER_CHECKPOINTS, CONTAINER_MODEL, CONTAINER_TENSORBOARD
+from minilm_az.logs import prints_errors
 
 
 def in_sagemaker() -> bool:
@@ -81,7 +82,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """One line, not argparse's usage block: the flag and what is wrong with it."""
-        if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
+        if prints_errors():
             print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         self.exit(2)
 
