@@ -693,7 +693,7 @@ class S3Checkpointer(Checkpointer):
                         "written again, or copied, which gives new ETags; resume from the prefix it was saved to)"
                     )
                 saved = json.loads(self.store.get(self._key(name, "train_state.json")))
-                if problem := _step_problem(name, saved) or _step_problem(name, commit):
+                if problem := _step_problem(name, saved) or _step_problem(name, commit, COMMIT):
                     raise CheckpointError(problem)
             except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as e:
                 error = str(e) if isinstance(e, CheckpointError) else f"{COMMIT} or train_state.json: {_one_line(e)}"
@@ -1016,14 +1016,13 @@ def _shown(saved, new):
     return saved, new
 
 
-def _step_problem(name: str, saved) -> str | None:
-    """What is wrong with a checkpoint's train_state.json (or commit.json) as the record of the step its folder is
-    named for; None if nothing. A folder renamed to a newer step would otherwise resume older weights as newer and
-    let the prune remove the checkpoints that really are newer."""
+def _step_problem(name: str, saved, file: str = "train_state.json") -> str | None:
+    """What is wrong with a checkpoint's `file` (its train_state.json, or commit.json) as the record of the step its
+    folder is named for; None if nothing. A folder renamed to a newer step would otherwise resume older weights as
+    newer and let the prune remove the checkpoints that really are newer."""
     step = saved.get("step") if isinstance(saved, dict) else None
     if type(step) is not int or step != int(_STEP_DIR.fullmatch(name).group(1)):
-        what = "train_state.json" if not isinstance(saved, dict) or "objects" not in saved else COMMIT
-        return f"{what} records step {step!r}, not the step its folder {name} is named for"
+        return f"{file} records step {step!r}, not the step its folder {name} is named for"
     return None
 
 
