@@ -11,11 +11,14 @@ exit code, an uncaught exception's traceback, a signal) is that of `python SCRIP
 commands go this way; `-m`, torchrun and anything else run as subprocesses (`Prefork.run` says which it did).
 `start()` forks a command and returns at once (pid, poll, wait: a test may kill it), and the ranks of a
 torchrun-style job fork from one server: their environments differ only in RANK_VARS, which no import reads.
+`run_ranks()` runs such a job to its end, as `torchrun --standalone` would without its agent. A test's own script
+(not a root script) forks too where its caller says so (`any_script`): it must import only this checkout's modules.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -24,6 +27,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,11 @@ RANK_VARS = frozenset(
     "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID "
     "SM_CURRENT_HOST".split()
 )
+
+
+# Modules a training run imports lazily (FSDP2 and DCP bring torch._dynamo along): ~1.1 s of CPU in every rank of
+# every run, paid once in the server instead.
+PRELOAD = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
 
 
 def server_env(env: dict) -> dict:
@@ -94,7 +103,7 @@ def child(req: dict, server_fds: tuple[int, ...]) -> None:
 
 def serve() -> None:
     sys.path[0] = ROOT  # as for `python ROOT/X.py`: minilm_az from this checkout
-    for name in top_level_imports():
+    for name in [*top_level_imports(), *PRELOAD]:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -144,6 +153,11 @@ def serve() -> None:
 
 
 # ---------------------------------------------------------------- the client (the test process)
+
+
+def python_script(argv: list[str]) -> bool:
+    """`python X.py ...` with this interpreter: a command the server can run (whose imports are its caller's say)."""
+    return len(argv) > 1 and argv[0] == sys.executable and argv[1].endswith(".py") and not argv[1].startswith("-")
 
 
 def root_script(argv: list[str], cwd: str) -> bool:
@@ -238,9 +252,11 @@ class Prefork:
                 else:
                     self.early[msg["pid"]] = msg["code"]
 
-    def forks(self, argv: list[str], cwd: str, env: dict) -> bool:
-        """Whether `argv` runs as a fork: a root script's command with the server's environment (but its rank)."""
-        return self.ready and server_env(env) == self.env and root_script(argv, cwd)
+    def forks(self, argv: list[str], cwd: str, env: dict, any_script: bool = False) -> bool:
+        """Whether `argv` runs as a fork: a root script's command (or with `any_script`, any `python X.py`) with the
+        server's environment (but its rank)."""
+        script = root_script(argv, cwd) or (any_script and python_script(argv))
+        return self.ready and server_env(env) == self.env and script
 
     def start(self, argv: list[str], cwd: str, env: dict, out: str, err: str) -> _Job:
         """Fork `argv` (self.forks must hold), its stdout and stderr appended to the files `out` and `err`."""
@@ -311,14 +327,58 @@ def run(argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.Comp
     return _server(env).run(argv, cwd, env, timeout)
 
 
-def start(argv: list[str], cwd: str, env: dict, out: str) -> _Job | subprocess.Popen:
-    """`argv` started with stdout and stderr appended to the file `out`: a fork where it can be (one rank of a
-    torchrun-style job, say), else a subprocess. Either has pid, poll() and wait(timeout)."""
-    server = _server(env) if root_script(argv, cwd) else None
-    if server is not None and server.forks(argv, cwd, env):
-        return server.start(argv, cwd, env, out, out)
-    with open(out, "ab") as f:
-        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+def start(
+    argv: list[str], cwd: str, env: dict, out: str, err: str | None = None, any_script: bool = False
+) -> _Job | subprocess.Popen:
+    """`argv` started with stdout appended to the file `out`, stderr to `err` (default: `out` too): a fork where it
+    can be (one rank of a torchrun-style job, say), else a subprocess. Either has pid, poll() and wait(timeout)."""
+    err = err or out
+    forkable = root_script(argv, cwd) or (any_script and python_script(argv))
+    server = _server(env) if forkable else None
+    if server is not None and server.forks(argv, cwd, env, any_script):
+        return server.start(argv, cwd, env, out, err)
+    with open(out, "ab") as f, open(err, "ab") as e:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=e, stdin=subprocess.DEVNULL)
+
+
+def run_ranks(
+    argv: list[str], cwd: str, env: dict, nproc: int, timeout: float, any_script: bool = False
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC ARGV[1:]` as its workers see it, without the agent: NPROC
+    forks (where `start` can fork) with the variables torchrun gives a worker, their stdouts one stream and their
+    stderrs another, as a torchrun's are. The exit code is the first failing rank's; a failing rank ends the
+    others (as torchrun's agent does, so that none waits for it in a collective), and so does the timeout
+    (subprocess.TimeoutExpired, with what the ranks wrote)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="prefork-ranks-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        jobs = []
+        for rank in range(nproc):
+            ranks = dict(RANK=rank, WORLD_SIZE=nproc, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=nproc, GROUP_RANK=0)
+            ranks.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID=f"prefork-{port}")
+            jobs.append(start(argv, cwd, {**env, **{k: str(v) for k, v in ranks.items()}}, out, err, any_script))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [j.poll() for j in jobs]
+            if any(codes) or None not in codes or time.monotonic() > deadline:  # a rank failed, all ended, or late
+                break
+            time.sleep(0.01)
+        for j in jobs:  # what still runs when one failed or the time is up
+            if j.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(j.pid, signal.SIGKILL)
+                j.wait(30)
+
+        def read(p):
+            with open(p, encoding="utf-8", errors="replace") as f:
+                return f.read()
+
+        if not any(codes) and None in codes:
+            raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
+        code = next((c for c in codes if c), 0)
+        return subprocess.CompletedProcess(argv, code, read(out), read(err))
 
 
 def close_all() -> None:
