@@ -10,6 +10,11 @@
 
 The LR schedule is flat after warmup (--min-lr-ratio 1), so a run of 3 steps followed by a resume to 6 takes the
 same steps as one run of 6.
+
+Every job's ranks are forks of one interpreter that imported torch once (tests/prefork.py's `run_ranks`), with the
+environment torchrun gives its workers: what is under test is HSDP's numbers, not the launcher (test_train.py's
+FSDP test and test_multihost.py's hosts start real torchruns), and each of the ~30 processes here would otherwise
+pay ~3 s of CPU for its imports on CI's two cores.
 """
 
 import os
@@ -20,10 +25,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import prefork
 import pytest
+import test_train
 import torch
 from safetensors.torch import load_file
-from test_train import CORPUS, ENV, ROOT, VAL, assert_losses_match, losses, records, train, weights
+from test_train import CORPUS, ENV, ROOT, VAL, assert_losses_match, losses, records, weights
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +43,22 @@ FLAGS = [
 ]
 
 
+def ranks(argv: list, nproc: int, timeout: float = 240, any_script: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC ARGV` as its workers see it, forked (see the docstring),
+    asserted to exit 0."""
+    try:
+        r = prefork.run_ranks([sys.executable, *map(str, argv)], str(ROOT), ENV, nproc, timeout, any_script)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{argv[0]} hung for {timeout}s\n{(e.stdout or '')[-2000:]}\n{(e.stderr or '')[-3000:]}")
+    assert r.returncode == 0, f"{argv[0]} exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def train(*args, nproc: int = 1) -> subprocess.CompletedProcess:
+    """train.py ARGS on `nproc` processes, to its end (test_train.train for one)."""
+    return test_train.train(*args) if nproc == 1 else ranks(["train.py", *args], nproc)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Our tokenizer and its token shards."""
@@ -44,9 +67,9 @@ def data(tmp_path_factory):
         ["train", "--corpus", *CORPUS, "--vocab-size", "1000", "--out", d / "tok"],
         ["encode", "--tokenizer", d / "tok", "--corpus", *CORPUS, "--val-corpus", VAL, "--out", d / "shards"],
     ):
-        subprocess.run(
-            [sys.executable, "tokenize.py", *args, "--no-progress"], cwd=ROOT, env=ENV, check=True, capture_output=True
-        )
+        argv = [sys.executable, "tokenize.py", *map(str, args), "--no-progress"]
+        r = prefork.run(argv, str(ROOT), ENV, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
     return ["--tokenizer", d / "tok", "--data", d / "shards", *FLAGS]
 
 
@@ -181,23 +204,12 @@ ACCUMULATE = textwrap.dedent("""
 """)
 
 
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-
-
 def accumulate(tmp_path: Path, nproc: int, replicate: int) -> dict:
     script = tmp_path / "accumulate.py"
     script.write_text(ACCUMULATE.format(root=str(ROOT)))
     out = tmp_path / "accumulate.pt"
-    r = subprocess.run(
-        [*torchrun(nproc), str(script), str(out), str(replicate)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    # The script imports this checkout's train.py and minilm_az alone, as the server has: it may fork.
+    ranks([script, out, replicate], nproc, timeout=180, any_script=True)
     return torch.load(out, weights_only=True)
 
 
@@ -240,15 +252,7 @@ def test_finetune_hsdp_equals_fsdp_on_four_processes(small_tokenizer_dir, tmp_pa
     outs = {}
     for replicate in (1, 2):
         out = outs[replicate] = tmp_path / f"replicate{replicate}"
-        r = subprocess.run(
-            [*torchrun(4), "finetune.py", *map(str, args), "--replicate", str(replicate), "--out", str(out)],
-            cwd=ROOT,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        ranks(["finetune.py", *args, "--replicate", replicate, "--out", out], 4)
     fsdp, hsdp = (records(outs[k], "finetune") for k in (1, 2))
     assert [r["step"] for r in hsdp] == [1, 2]
     for a, b in zip(fsdp, hsdp):
