@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import textwrap
 import uuid
@@ -27,6 +26,7 @@ from minilm_az.launch import sagemaker as sm
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # pytest's rootdir-relative import puts it there
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import prefork  # noqa: E402
 import sm_container as smc  # noqa: E402
 
 ROOT = sm.PROJECT_ROOT
@@ -213,9 +213,11 @@ def test_every_process_group_of_an_hsdp_job_has_the_jobs_timeout(tmp_path):
     frozen peer. parallel.setup makes the job's timeout the default of every group made after it."""
     (tmp_path / "groups.py").write_text(GROUP_TIMEOUTS)
     env = {**os.environ, "MINILM_AZ_COLLECTIVE_TIMEOUT_S": "42", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port"]
-    cmd = [*torchrun, str(smc._free_port()), str(tmp_path / "groups.py"), str(tmp_path)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # The 4 ranks as torchrun's workers, forked from one interpreter that imported torch once (tests/prefork.py):
+    # what is under test is parallel.setup's groups, not the launcher (the replays below start real torchruns).
+    # The script imports this checkout's minilm_az alone, as the server has, so it may fork.
+    cmd = [sys.executable, str(tmp_path / "groups.py"), str(tmp_path)]
+    r = prefork.run_ranks(cmd, str(ROOT), env, nproc=4, timeout=300, any_script=True)
     assert r.returncode == 0, r.stderr[-3000:]
     want = {"world": 42.0, "new_group gloo": 42.0, "replicate": 42.0, "shard": 42.0}
     assert [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(4)] == [want] * 4
@@ -241,24 +243,22 @@ def _weights(model_dir: Path) -> dict:
     return load_file(str(model_dir / "model.safetensors"))
 
 
+# Nothing from a SageMaker or torchrun environment of the caller: it would change train.py's defaults. Taken when the
+# module is imported, as test_train.py's ENV is (the same variables, so the same prefork server), before a test's
+# fixture sets the AWS variables of moto's mock, which a local run does not read.
+PLAIN_ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+}
+PLAIN_ENV["OMP_NUM_THREADS"] = "1"
+
+
 def _one_process(argv: list[str], out: Path, shards: str, tokenizer: str) -> Path:
     """`train.py ARGV` as one plain process on this machine (no container, no torchrun): its out dir."""
-    # Nothing from a SageMaker or torchrun environment of the caller: it would change train.py's defaults.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run(
-        [sys.executable, "train.py", *argv, "--data", shards, "--tokenizer", tokenizer, "--out", str(out)]
-        + ["--checkpoint-dir", str(out / "checkpoints")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # A fork of tests/prefork.py's server, which imported torch once (test_train.py's one-process runs share it).
+    argv = [sys.executable, "train.py", *argv, "--data", shards, "--tokenizer", tokenizer, "--out", str(out)]
+    r = prefork.run([*argv, "--checkpoint-dir", str(out / "checkpoints")], str(ROOT), PLAIN_ENV, timeout=300)
     assert r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return out
 
