@@ -230,6 +230,11 @@ TRAIN = (
     "train --phase 2 --preset tiny --steps 4 --seq-len 32 --micro-batch 1 --global-batch 4 --eval-every 0 "
     "--log-every 1 --no-liger"
 ).split()
+# The jobs here: TRAIN with one val micro-batch an evaluation (at step 0 and at the end), as test_s3_checkpoint.py's
+# jobs. No test here reads a val loss, and an evaluation changes neither the model nor the RNG, so the train losses and
+# weights held to one process's are the same; the whole val split was ~220 windows a job, twice, a few s of CPU in
+# every replay. TRAIN itself stays as it was: test_s3_checkpoint.py and test_spot_restarts.py build on it.
+JOB = [*TRAIN, "--eval-batches", "1"]
 
 
 def _losses(model_dir: Path) -> dict[int, float]:
@@ -266,7 +271,7 @@ def _one_process(argv: list[str], out: Path, shards: str, tokenizer: str) -> Pat
 @pytest.fixture(scope="module")
 def one_process(container_shards_dir, small_tokenizer_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one_process") / "out"
-    return _one_process(TRAIN[1:], out, container_shards_dir, small_tokenizer_dir)
+    return _one_process(JOB[1:], out, container_shards_dir, small_tokenizer_dir)
 
 
 def _assert_same_model(got: Path, want: Path, steps: list[int]) -> None:
@@ -295,7 +300,7 @@ def test_two_hosts_train_phase2_as_one_process_does(
     """The launcher makes a job of two instances HSDP (--replicate 2, one model copy a host); --replicate 1 shards
     over all the ranks of both hosts (FSDP). Either way, the same model as one process."""
     inputs = {"--data": container_shards_dir, "--tokenizer": small_tokenizer_dir}
-    argv = TRAIN if replicate == 2 else [*TRAIN, "--replicate", "1"]
+    argv = JOB if replicate == 2 else [*JOB, "--replicate", "1"]
     run = smc.replay(
         aws, launch(aws, argv, hosts=2, inputs=inputs, sdk=sdk), workdir=tmp_path / "job", hosts=2, nproc=nproc
     )
@@ -314,7 +319,7 @@ def test_two_hosts_train_phase2_as_one_process_does(
 # ---------------------------------------------------------------------------------------------
 # One host dies, freezes or fails: what the job does today (issue 28 says what it should do)
 
-LONG = [*TRAIN[:6], "400", *TRAIN[7:]]  # --steps 400: still training when host 2 goes
+LONG = [*JOB[:6], "400", *JOB[7:]]  # --steps 400: still training when host 2 goes
 
 
 def _train_on_two_hosts(
@@ -438,7 +443,7 @@ def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
     aws, tmp_path, container_shards_dir, small_tokenizer_dir, problem, named
 ):
     """Host 2 alone has a problem: it cannot reach the checkpoints' S3, or a channel gave it no files."""
-    run = _train_on_two_hosts(aws, tmp_path, TRAIN, container_shards_dir, small_tokenizer_dir, **problem)
+    run = _train_on_two_hosts(aws, tmp_path, JOB, container_shards_dir, small_tokenizer_dir, **problem)
     assert not run.timed_out and run.seconds < 300, run.explain()
     # Both hosts say why, in one line naming the failing rank and host, and exit 2 (train.py's usage error).
     want = "train.py: error: rank 1 on algo-2: "
@@ -454,7 +459,7 @@ def test_a_host_2_only_failure_is_one_error_line_on_both_hosts_and_exit_2(
     assert "model.safetensors" not in run.host(1).model_files() and run.host(2).model_files() == []
 
 
-RESUMABLE = [*TRAIN[:6], "6", *TRAIN[7:], "--checkpoint-every", "2"]  # --steps 6, a checkpoint every 2 steps
+RESUMABLE = [*JOB[:6], "6", *JOB[7:], "--checkpoint-every", "2"]  # --steps 6, a checkpoint every 2 steps
 
 
 def committed(uri: str) -> list[str]:
