@@ -22,6 +22,7 @@ import time
 import torch
 
 from minilm_az import checkpoint, hf, lora, parallel
+from minilm_az import tokenizer as tk
 from minilm_az.bpb import rank_batches
 from minilm_az.chat import ChatFormatError, collate, micro_batches
 from minilm_az.config import FinetuneConfig
@@ -31,9 +32,9 @@ from minilm_az.launch.flags import make_parser, parse_config, tensorboard_dir
 from minilm_az.logs import MetricLogger, Progress, print_error
 from minilm_az.model import IGNORE, materialize, meta_model
 from minilm_az.optim import cosine_lr, set_lr
-from minilm_az.outputs import atomic_write_json, check_not_input, file_sha256, own_subdir, remove_output
+from minilm_az.outputs import atomic_write_json, check_not_input, describe, file_sha256, own_subdir, remove_output
 from minilm_az.prep.chat_data import chat_files, encode_all, read_chat_files
-from minilm_az.tokenizer import BOS, EOS, EOT, PAD, check_model_tokenizer, copy_tokenizer_files, load_tokenizer
+from minilm_az.tokenizer import BOS, EOS, EOT, PAD, copy_tokenizer_files
 
 MERGED_MARK = "merged_from_adapter.json"  # in OUT/merged: this model already holds an adapter
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     cfg.checkpoint_dir = cfg.checkpoint_dir or os.path.join(cfg.out, "checkpoints")
     if cfg.chat or cfg.prompt:
         if not os.path.isdir(cfg.model):
-            p.error(f"--model {cfg.model}: no such directory")
+            p.error(f"--model {cfg.model}: {describe(cfg.model)}, where a model directory belongs")
         if cfg.adapter and os.path.isfile(os.path.join(cfg.model, MERGED_MARK)):
             p.error(f"--model {cfg.model} is a merged model (it holds an adapter already): drop --adapter")
         return cfg
@@ -89,9 +90,8 @@ def load_data(cfg: FinetuneConfig, tok, max_len: int, log: MetricLogger) -> tupl
     # The files used, by name (a data dir's layout is a choice worth seeing), and what became of every line.
     log.log("data_files", train=",".join(train_files), val=",".join(val_files) or None, held_out=held_out or None)
     targets = sum(sum(x != IGNORE for x in lab) for _, lab in examples)
-    bad, dropped = len(skipped + val_skipped), dropped + val_dropped
-    counts = dict(train=len(examples), val=len(val), skipped_bad_lines=bad, dropped_truncated=dropped)
-    log.log("data", **counts, max_len=max_len)
+    bad, drop = len(skipped + val_skipped), dropped + val_dropped
+    log.log("data", train=len(examples), val=len(val), skipped_bad_lines=bad, dropped_truncated=drop, max_len=max_len)
     log.log("data_tokens", train_tokens=sum(len(i) for i, _ in examples), target_tokens=targets)
     return examples, val
 
@@ -117,8 +117,8 @@ def build(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger):
     if proc.device.type == "cuda":  # the frozen base is held in bf16, its compute dtype; adapters stay fp32
         lora.cast_frozen(model, torch.bfloat16)
     trainable, total = lora.count_parameters(model)
-    pct = round(100 * trainable / total, 3)
-    log.log("model", params=total, trainable=trainable, trainable_pct=pct, targets=cfg.targets, ops=model.ops.name)
+    pct = dict(trainable_pct=round(100 * trainable / total, 3), targets=cfg.targets, ops=model.ops.name)
+    log.log("model", params=total, trainable=trainable, **pct)
     row_len = min(cfg.max_seq_len, model.config.max_seq_len)
     packed = dict(tokens_per_forward=cfg.max_tokens_per_forward or cfg.micro_batch * row_len) if cfg.packing else {}
     log.log("batch", world=proc.world_size, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch, **packed)
@@ -149,8 +149,7 @@ def train_step(model, batch: list, params: list, cfg: FinetuneConfig, proc, pad_
     """Forward/backward of this rank's micro-batches (packed into rows of up to `row_len` tokens if given,
     at most --max-tokens-per-forward a forward); returns (the step's mean target NLL, grad norm, tokens)."""
     n_targets = sum(sum(x != IGNORE for x in lab[1:]) for _, lab in batch)
-    nll = 0.0
-    budget = cfg.max_tokens_per_forward
+    nll, budget = 0.0, cfg.max_tokens_per_forward
     mine = micro_batches(batch, proc.rank, proc.world_size, cfg.micro_batch, pad_id, proc.device, row_len, budget)
     for i, (x, y, doc_ids) in enumerate(mine):
         parallel.sync_gradients(model, i == len(mine) - 1)  # every rank has as many; the last one reduces
@@ -166,9 +165,8 @@ def train_step(model, batch: list, params: list, cfg: FinetuneConfig, proc, pad_
 def load_inputs(cfg: FinetuneConfig, log: MetricLogger) -> tuple:
     """The tokenizer (checked against the model), the longest conversation, and the encoded conversations."""
     if not os.path.isdir(cfg.model):
-        raise ValueError(f"--model {cfg.model}: no such directory")
-    check_model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer")
-    tok, mcfg = load_tokenizer(cfg.tokenizer), read_config(cfg.model)
+        raise ValueError(f"--model {cfg.model}: {describe(cfg.model)}, where a model directory belongs")
+    tok, mcfg = tk.model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer"), read_config(cfg.model)
     if tok.get_vocab_size() > mcfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but {cfg.model} only {mcfg.vocab_size} rows")
     max_len = min(cfg.max_seq_len, mcfg.max_seq_len)
@@ -181,6 +179,7 @@ def run_identity(cfg: FinetuneConfig) -> tuple[dict, dict]:
     """What a checkpoint must agree on to be continued (else --resume never), and what may change with a warning."""
     train_files, val_files = chat_files(cfg.data, cfg.val_data)
     must = dict(model=hf.model_fingerprint(cfg.model), data=[file_sha256(f) for f in train_files + val_files])
+    must["tokenizer"] = tk.tokenizer_hash(cfg.tokenizer)  # the adapter's ids are this tokenizer's, not the --model's
     must.update({k: getattr(cfg, k) for k in ("lora_r", "lora_alpha", "targets", "max_seq_len", "last_turn_only")})
     return must, {"seed": cfg.seed, "global_batch": cfg.global_batch}
 
@@ -231,11 +230,12 @@ def train(cfg: FinetuneConfig, proc: parallel.Process, log: MetricLogger) -> Non
 def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLogger, seconds: float, base_id: str):
     """The adapter (every rank gathers, rank 0 writes; its base recorded by content), its tokenizer, then --merge's."""
     base = dict(base_model_name_or_path=os.path.abspath(cfg.model), identity=base_id)
+    parallel.agree(lambda: tk.check_unchanged(cfg.tokenizer, tok), proc)  # before any file: every host's own copy
     if proc.is_main:  # the merged model of the adapter this one replaces must never stand beside it
         remove_output(os.path.join(cfg.out, "merged"), MERGED_MARK)
     lora.save_adapter(model, cfg.out, **base, is_writer=proc.is_main)
     if proc.is_main:
-        copy_tokenizer_files(cfg.tokenizer, cfg.out)
+        copy_tokenizer_files(cfg.tokenizer, cfg.out, same_as=tok)
         atomic_write_json(os.path.join(cfg.out, "finetune_args.json"), dataclasses.asdict(cfg))
         log.log("export", dir=cfg.out, seconds=round(seconds, 1))
         if cfg.merge:
@@ -246,7 +246,7 @@ def save(model, cfg: FinetuneConfig, tok, proc: parallel.Process, log: MetricLog
             eos = [tok.token_to_id(EOT), tok.token_to_id(EOS)]
             ids = {"bos_id": tok.token_to_id(BOS), "eos_id": eos, "pad_id": tok.token_to_id(PAD)}
             save_pretrained(base, merged, dtype=saved_dtype(cfg.model), token_ids=ids)  # the base's size
-            copy_tokenizer_files(cfg.tokenizer, merged)
+            copy_tokenizer_files(cfg.tokenizer, merged, same_as=tok)
             atomic_write_json(os.path.join(merged, MERGED_MARK), {"adapter": os.path.abspath(cfg.out)})
             log.log("export", dir=merged, merged=True)
     if proc.world_size > 1:
@@ -260,8 +260,7 @@ def try_model(cfg: FinetuneConfig) -> None:
     dev = parallel.resolve_device(cfg.device)
     if dev.type == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    check_model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer")
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = tk.model_tokenizer(cfg.model, cfg.tokenizer, "--tokenizer")
     model = load_pretrained(cfg.model, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if cfg.adapter:
         lora.load_adapter(model, cfg.adapter, dropout=0.0, base=cfg.model)  # refused on another base
@@ -282,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             try_model(cfg)
             return 0
         proc = parallel.setup(cfg.device)
-        tensorboard = tensorboard_dir(cfg.tensorboard, cfg.out)
-        log = MetricLogger(os.path.join(cfg.out, "metrics.jsonl"), enabled=proc.is_main, tensorboard=tensorboard)
+        jsonl, tensorboard = os.path.join(cfg.out, "metrics.jsonl"), tensorboard_dir(cfg.tensorboard, cfg.out)
+        log = MetricLogger(jsonl, enabled=proc.is_main, tensorboard=tensorboard)
         try:
             train(cfg, proc, log)
             parallel.finish()

@@ -268,9 +268,10 @@ def train(plan: TrainPlan, proc: parallel.Process, log: MetricLogger) -> None:
 def export(model, plan: TrainPlan, tok, proc: parallel.Process, log: MetricLogger) -> None:
     """The Hugging Face model dir: config.json, safetensors, and our tokenizer's files beside them."""
     ids, dtype = {"bos_id": tok.token_to_id(tk.BOS), "eos_id": tk.eos_id(tok)}, getattr(torch, plan.flags.export_dtype)
+    parallel.agree(lambda: tk.check_unchanged(plan.flags.tokenizer, tok), proc)  # before any file: every host's own
     save_pretrained(model, plan.out, dtype, token_ids=ids, is_writer=proc.is_main)
     if proc.is_main:
-        tk.copy_tokenizer_files(plan.flags.tokenizer, plan.out)
+        tk.copy_tokenizer_files(plan.flags.tokenizer, plan.out, same_as=tok)
     log.log("export", dir=plan.out, dtype=plan.flags.export_dtype)
 
 

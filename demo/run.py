@@ -350,10 +350,12 @@ def flags(**kw) -> list[str]:
     return out
 
 
-def torchrun(procs: int, script: str, **kw) -> list[str]:
-    # --standalone: a free local port, so two demos (or a test beside a demo) do not collide on 29500
+def torchrun(procs: int, script: str, log_dir: str, **kw) -> list[str]:
+    # --standalone: a free local port, so two demos (or a test beside a demo) do not collide on 29500. --log-dir:
+    # torchrun makes a folder per job for its workers' error files, by default in the system's temp dir, where
+    # nothing removes it; in the run's logs/ the demo records what it holds and removes what is left empty.
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs)]
-    return [sys.executable, *launcher, script, *flags(**kw)]
+    return [sys.executable, *launcher, "--log-dir", log_dir, script, *flags(**kw)]
 
 
 def py(script: str, *words: str, **kw) -> list[str]:
@@ -417,7 +419,8 @@ def pretrain_stages(cfg: DemoConfig, run: str, base_tok: str, base_name: str) ->
             log_every=5,
             seed=cfg.seed,
         )
-        return name, title, torchrun(cfg.procs, "train.py", **kw, out=j(name), **common)
+        logs = j("logs", f"{name}.torchrun")
+        return name, title, torchrun(cfg.procs, "train.py", logs, **kw, out=j(name), **common)
 
     return [
         train(
@@ -471,6 +474,7 @@ def finetune_stage(cfg: DemoConfig, run: str) -> tuple:
     cmd = torchrun(
         cfg.procs,
         "finetune.py",
+        os.path.join(run, "logs", "finetune.torchrun"),
         model=os.path.join(run, "phase2"),
         data=os.path.join(CHAT, "az_chat.jsonl"),
         val_data=os.path.join(CHAT, "az_chat_val.jsonl"),
@@ -516,12 +520,21 @@ def sample(R: Runner, cfg: DemoConfig, run: str) -> list[dict]:
 # ---------------------------------------------------------------- the demo
 
 
-def _stage_out(cmd: list[str]) -> str | None:
-    """The path a stage's command writes (--out, or report's --json)."""
-    for flag in ("--out", "--json"):
+def _stage_out(cmd: list[str], names: tuple[str, ...] = ("--out", "--json")) -> str | None:
+    """The path a stage's command writes (--out, or report's --json), or the path of the first of `names` in it."""
+    for flag in names:
         if flag in cmd:
             return os.path.abspath(cmd[cmd.index(flag) + 1])
     return None
+
+
+def _remove_empty_dirs(path: str) -> None:
+    """The directories at and under `path` that hold nothing, deepest first (links are not followed)."""
+    for root, _, _ in os.walk(path, topdown=False):
+        try:
+            os.rmdir(root)
+        except OSError:  # it holds a file: kept, and so are the folders above it
+            pass
 
 
 def run_demo(
@@ -577,12 +590,15 @@ def run_demo(
     )
     try:
         for stage in plan:
-            out = _stage_out(stage[2])
-            before = _files(out, run) if out else set()
+            out, logs = _stage_out(stage[2]), _stage_out(stage[2], ("--log-dir",))
+            before = (_files(out, run) if out else set()) | (_files(logs, run) if logs else set())
             try:
                 R(*stage)
             finally:  # also a stage that failed: what it wrote is the demo's
                 wrote.update((_files(out, run) - before) if out else set())
+                if logs:  # torchrun's error files of a failed worker; on success it leaves only empty folders
+                    wrote.update(_files(logs, run) - before)
+                    _remove_empty_dirs(logs)
             # Later stages read the exported model; the resume checkpoint beside it is only disk (260 MB for base).
             checkpoints = os.path.join(run, stage[0], "checkpoints")
             wrote.difference_update(_files(checkpoints, run))

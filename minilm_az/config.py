@@ -27,6 +27,7 @@ class PhaseRecipe:
     embeddings_only: bool  # phase 1 freezes the backbone, so the new vocabulary adapts to it first
 
 
+MAX_STEPS = 99_999_999  # a checkpoint's folder holds its step in 8 digits, which order them by name
 PHASE_1 = PhaseRecipe(lr=0.0032, steps=5000, embeddings_only=True)
 PHASE_2 = PhaseRecipe(lr=0.0024, steps=15000, embeddings_only=False)
 
@@ -152,6 +153,7 @@ class TrainConfig(LoopFlags):
         None,
         f"optimizer steps (default: phase 1 {PHASE_1.steps}, phase 2 {PHASE_2.steps})",
         lo=1,
+        hi=MAX_STEPS,
         not_with=("eval_only",),
     )
     lr: float | None = _f(
@@ -280,7 +282,7 @@ class FinetuneConfig(LoopFlags):
         lo=1,
         needs=("packing",),
     )
-    steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1, not_with=TRY)
+    steps: int | None = _f(None, "optimizer steps (default: --epochs over the data)", lo=1, hi=MAX_STEPS, not_with=TRY)
     epochs: float = _f(1.0, "passes over the data when --steps is not given", gt=0.0, not_with=(*TRY, "steps"))
     lr: float = _f(2e-4, "peak learning rate", gt=0.0, hi=1e6, not_with=TRY)
     min_lr_ratio: float = _f(0.1, "cosine decays to lr * this", lo=0.0, hi=1.0, not_with=TRY)

@@ -297,8 +297,8 @@ def read_adapter_config(path: str) -> dict:
     if isinstance(cfg["r"], bool) or not isinstance(cfg["r"], int) or cfg["r"] < 1:
         raise AdapterError(f"{f}: field 'r' must be an integer >= 1, got {cfg['r']!r}")
     alpha = cfg["lora_alpha"]
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(f"{f}: field 'lora_alpha' must be a number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha == 0:
+        raise AdapterError(f"{f}: field 'lora_alpha' must be a number other than 0 (a no-op), got {alpha!r}")
     targets = cfg["target_modules"]
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         raise AdapterError(f"{f}: field 'target_modules' must be a list of module names, got {targets!r}")

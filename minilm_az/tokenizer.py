@@ -24,7 +24,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
-from minilm_az.outputs import atomic_write_json, atomic_write_text, file_sha256, same_file, staged_output
+from minilm_az.outputs import atomic_write_json, atomic_write_text, describe, file_sha256, same_file, staged_output
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -134,10 +134,12 @@ def train_tokenizer(
 
 def _tokenizer_json(path: str) -> str:
     json_path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.isfile(json_path):
-        message = f"no tokenizer.json in {path}" if os.path.isdir(path) else f"tokenizer not found: {path}"
-        raise FileNotFoundError(message)
-    return json_path
+    if os.path.isfile(json_path):
+        return json_path
+    if os.path.lexists(json_path):  # a directory, a dangling link, a FIFO: say what is there, not that nothing is
+        raise ValueError(f"{json_path}: {describe(json_path)}, where a tokenizer.json file belongs")
+    message = f"no tokenizer.json in {path}" if os.path.isdir(path) else f"tokenizer not found: {path}"
+    raise FileNotFoundError(message)
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -175,6 +177,12 @@ def check_model_tokenizer(model_dir: str, tokenizer: str | None, flag: str) -> N
             f"{flag} {tokenizer} is not the tokenizer of {model_dir} (tokenizer.json {given_hash[:12]} vs "
             f"the model's {model_hash[:12]}): pass the model's own tokenizer"
         )
+
+
+def model_tokenizer(model_dir: str, tokenizer: str, flag: str) -> Tokenizer:
+    """The tokenizer at `tokenizer`, loaded once check_model_tokenizer has found it is `model_dir`'s own."""
+    check_model_tokenizer(model_dir, tokenizer, flag)
+    return load_tokenizer(tokenizer)
 
 
 def eos_id(tok: Tokenizer) -> int:
@@ -259,11 +267,20 @@ def write_tokenizer_files(tok: Tokenizer, out_dir: str, model_max_length: int | 
     )
 
 
-def copy_tokenizer_files(src: str, dst_dir: str) -> list[str]:
+def check_unchanged(src: str, tok: Tokenizer, copy: str | None = None) -> None:
+    """Raise ValueError if the tokenizer at `src` (or its `copy`) is no longer `tok`, the one the run read at its
+    start: an export would ship one retrained or replaced there meanwhile beside weights trained on `tok`'s ids."""
+    if load_tokenizer(copy or src).to_str() != tok.to_str():
+        msg = "changed since this run read it: the export would ship another tokenizer with this model"
+        raise ValueError(f"{_tokenizer_json(src)} {msg}; restore it and rerun with --resume to export")
+
+
+def copy_tokenizer_files(src: str, dst_dir: str, same_as: Tokenizer | None = None) -> list[str]:
     """Copy the tokenizer files of `src` (a dir, or a tokenizer.json) into `dst_dir`, bytes unchanged.
 
     tokenizer.json must exist; a missing tokenizer_config.json or special_tokens_map.json is written
-    from ours (which needs our special tokens). Returns the file names written.
+    from ours (which needs our special tokens). With `same_as`, the copy must be that tokenizer (check_unchanged),
+    else nothing is written. Returns the file names written.
     """
     src_json = _tokenizer_json(src)
     src_dir = os.path.dirname(os.path.abspath(src_json))
@@ -272,6 +289,8 @@ def copy_tokenizer_files(src: str, dst_dir: str) -> list[str]:
             src_file = src_json if name == "tokenizer.json" else os.path.join(src_dir, name)
             if os.path.isfile(src_file):
                 shutil.copyfile(src_file, os.path.join(tmp, name))
+                if name == "tokenizer.json" and same_as is not None:  # the bytes shipped, not a second read
+                    check_unchanged(src, same_as, os.path.join(tmp, name))
             else:
                 config = _tokenizer_config(load_tokenizer(src_json), None)
                 if name == "special_tokens_map.json":

@@ -191,6 +191,18 @@ def test_each_stage_keeps_its_export_but_not_its_resume_checkpoint(run):
         assert not os.path.exists(os.path.join(run, stage, "checkpoints")), stage
 
 
+@pytest.mark.slow
+def test_torchrun_leaves_nothing_in_the_temp_dir_and_only_a_failures_files_in_logs(run):
+    # torchrun's per-job folders went to the system's temp dir, empty, and stayed there (audit 5): --log-dir in
+    # logs/ instead, whose empty folders the demo removes after each stage.
+    left = os.listdir(os.path.join(os.path.dirname(run), "tmp"))
+    assert not [n for n in left if n.startswith("torchelastic_")], left
+    assert not [n for n in os.listdir(os.path.join(run, "logs")) if n.endswith(".torchrun")]
+    with open(os.path.join(run, demo.MARKER), encoding="utf-8") as f:
+        commands = [s["command"] for s in json.load(f)["stages"] if "torch.distributed.run" in s["command"]]
+    assert len(commands) == 5 and all(f"--log-dir {run}/logs/" in c for c in commands), commands
+
+
 # ---------------------------------------------------------------- no run needed
 
 

@@ -56,9 +56,12 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # prune: +17 (a pruned checkpoint loses only the files a save writes, a user's file kept in NAME.kept; an
     # --overwrite's earlier checkpoints go at its first commit). The fourth audit's finds (a link where a
     # phase's checkpoints go, a vocab size past 31 bits, a chat line that is no UTF-8, an error line when
-    # LOCAL_RANK is set by hand outside torchrun, one rule for it that the flag parser shares): +20.
+    # LOCAL_RANK is set by hand outside torchrun, one rule for it that the flag parser shares): +20. The fifth
+    # audit's (an export refuses a tokenizer changed since the run read it, a tokenizer.json that is a directory or
+    # a dangling link said as such, one call that checks a model's tokenizer and loads it, --steps capped at the 8
+    # digits of a checkpoint's name, an adapter's lora_alpha of 0 refused): +20.
     # Grow it only with a reason written here.
-    assert sum(lines.values()) <= 5440, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 5460, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"
