@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from prefork import Prefork
 from test_bad_inputs import CHAT, KDE, ROOT, SMALL, SMALL_FT, Result, _argv, _clean_env, own_tracebacks
 from test_ownership import _tmpfs_works
 
@@ -48,6 +49,7 @@ class Row:
     check: Callable | None = None
     signal: int = 0  # sent to the command once its stdout holds `after` (a user's Ctrl-C, a kill)
     after: str = ""
+    during: Callable | None = None  # during(paths), instead of a signal, once stdout holds `after` (a user's edit)
     marks: tuple = ()  # pytest marks of the row (a skip where the machine cannot set it up)
 
 
@@ -130,6 +132,32 @@ def runs_dir_is_a_file(fx, w):
     with open(os.path.join(w, "f"), "w") as f:
         f.write("mine\n")
     return {"X": os.path.join(w, "f")}
+
+
+def tokenizer_copy(fx, w):
+    return {"X": _copy(fx["T"], os.path.join(w, "tok"))}
+
+
+def base_copy(fx, w):
+    return {"X": _copy(fx["M"], os.path.join(w, "base"))}
+
+
+def add_a_token(paths):
+    """A user's edit of the tokenizer a run read at its start: one token more in its tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(paths["X"], "tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    tok.add_tokens(["yenisöz"])
+    tok.save(path)
+
+
+def adapter_then_new_base_tokenizer(fx, w):
+    """A 1-step adapter on a copy of M, whose tokenizer.json is then edited: the adapter's ids are the old one's."""
+    x = base_copy(fx, w)["X"]
+    _run(FT + " --out {O}", M=x, CHAT=CHAT, O=os.path.join(w, "out"))
+    add_a_token({"X": x})
+    return {"X": x}
 
 
 def out_links_to_base(fx, w):
@@ -739,6 +767,34 @@ ROWS = [
         absent=("{W}/tok",),
         marks=NEEDS_SETPRIV,
     ),
+    Row(  # the export shipped the edited tokenizer beside weights trained on the other one's ids (audit 5)
+        "d4_tokenizer_edited_during_train",
+        "python train.py --phase 2 --preset tiny --tokenizer {X} --data {S} --steps 100 --seq-len 32 "
+        "--global-batch 2 --eval-batches 1 --log-every 1 --out {W}/out",
+        "{X}/tokenizer.json changed since this run read it",
+        prep=tokenizer_copy,
+        after="step=1 ",
+        during=add_a_token,
+        changes=("{X}", "{W}/out"),
+        absent=("{W}/out/model.safetensors", "{W}/out/tokenizer.json"),
+    ),
+    Row(
+        "d4_tokenizer_edited_during_finetune",
+        "python finetune.py --model {X} --data {CHAT} --steps 60 --lora-r 2 --global-batch 2 --log-every 1 "
+        "--out {W}/out",
+        "{X}/tokenizer.json changed since this run read it",
+        prep=base_copy,
+        after="step=1 ",
+        during=add_a_token,
+        changes=("{X}", "{W}/out"),
+        absent=("{W}/out/adapter_model.safetensors", "{W}/out/tokenizer.json"),
+    ),
+    Row(  # the resume took the adapter trained on the old tokenizer's ids as this run's (audit 5)
+        "d4_finetune_resume_with_the_bases_tokenizer_edited",
+        FT.replace("--steps 1", "--steps 2").replace("{M}", "{X}") + " --out {W}/out",
+        "holds an earlier `finetune.py`'s output from other inputs",
+        prep=adapter_then_new_base_tokenizer,
+    ),
     Row(  # torch's import died on it with a oneMKL "FATAL" line
         "e_working_directory_removed",
         """sh -c 'mkdir "$0" && cd "$0" && rmdir "$0" && exec "$@"' {W}/gone {PY} {R}/train.py --phase 2 """
@@ -754,27 +810,37 @@ ROWS = [
 # ---------------------------------------------------------------- running the rows
 
 
-def _run(cmd: str, **paths) -> None:
-    argv = _argv(cmd.format(**paths))
-    p = subprocess.run(argv, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=ROW_TIMEOUT)
+def _run(cmd: str, runner: Prefork | None = None, **paths) -> None:
+    argv, env = _argv(cmd.format(**paths)), _clean_env()
+    p = runner.run(argv, ROOT, env, ROW_TIMEOUT) if runner else subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=ROW_TIMEOUT
+    )  # fmt: skip
     assert p.returncode == 0, f"fixture failed: {shlex.join(argv)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory) -> dict:
+def runner():
+    """What runs the rows' `python X.py` commands without the environment of their own: forks of a server that
+    imported torch once (tests/prefork.py, as test_bad_inputs.py's rows); the others run as subprocesses."""
+    server = Prefork(_clean_env())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory, runner) -> dict:
     """T: a 400-id tokenizer (kde); S: its shards; M: a finished 2-step tiny model; A: a finished 1-step adapter."""
     d = str(tmp_path_factory.mktemp("nothing_lost_fx"))
     p = {k: os.path.join(d, k) for k in ("T", "S", "M", "A")} | {"CHAT": CHAT}
-    _run(f"python tokenize.py train --no-progress --vocab-size 400 --corpus {KDE} --out {{T}}", **p)
-    _run(
-        f"python tokenize.py encode --no-progress --tokenizer {{T}} --corpus {KDE} --val-fraction 0.05 --out {{S}}", **p
-    )
-    _run(TR + " --out {M}", **p)
-    _run(FT + " --out {A}", **p)
+    _run(f"python tokenize.py train --no-progress --vocab-size 400 --corpus {KDE} --out {{T}}", runner, **p)
+    enc = f"python tokenize.py encode --no-progress --tokenizer {{T}} --corpus {KDE} --val-fraction 0.05 --out {{S}}"
+    _run(enc, runner, **p)
+    _run(TR + " --out {M}", runner, **p)
+    _run(FT + " --out {A}", runner, **p)
     return p
 
 
-def run_row(row: Row, fx: dict, base: str) -> Result:
+def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Result:
     w = os.path.join(base, row.id)
     os.makedirs(w)
     paths = {**fx, "W": w}
@@ -783,21 +849,25 @@ def run_row(row: Row, fx: dict, base: str) -> Result:
     argv = _argv(row.cmd.format(**paths))
     r = Result(row, paths, argv)
     r.before = tree(w)
-    if row.signal:
-        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **row.env}, row.signal, row.after)
+    if row.signal or row.during:
+        act = (lambda p: row.during(paths)) if row.during else (lambda p: p.send_signal(row.signal))
+        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **row.env}, act, row.after)
         r.after = tree(w)
         return r
     try:
-        p = subprocess.run(
-            argv,
-            cwd=ROOT,
-            env={**_clean_env(), **row.env},
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=ROW_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
+        if runner is not None:  # a fork where the row is `python X.py` with no environment of its own
+            p = runner.run(argv, ROOT, {**_clean_env(), **row.env}, ROW_TIMEOUT)
+        else:
+            p = subprocess.run(
+                argv,
+                cwd=ROOT,
+                env={**_clean_env(), **row.env},
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=ROW_TIMEOUT,
+                stdin=subprocess.DEVNULL,
+            )
         r.rc, r.stdout, r.stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         r.rc, r.stderr = None, f"{e.stderr or ''}\n(timed out)"
@@ -805,8 +875,9 @@ def run_row(row: Row, fx: dict, base: str) -> Result:
     return r
 
 
-def run_signalled(argv: list[str], env: dict, sig: int, after: str) -> tuple[int | None, str, str]:
-    """Run `argv`, send `sig` once a line of its stdout holds `after`, and return (exit code, stdout, stderr).
+def run_signalled(argv: list[str], env: dict, act: Callable, after: str) -> tuple[int | None, str, str]:
+    """Run `argv`, call `act(process)` once a line of its stdout holds `after` (it sends a signal, or changes an
+    input), and return (exit code, stdout, stderr).
 
     SIGINT is given its default action in the child, so that Python turns it into Ctrl-C's KeyboardInterrupt even
     where the test runs in a shell's background job, which ignores it."""
@@ -828,7 +899,7 @@ def run_signalled(argv: list[str], env: dict, sig: int, after: str) -> tuple[int
         for line in p.stdout:
             lines.append(line)
             if after in line:
-                p.send_signal(sig)
+                act(p)
                 break
         rest = p.stdout.read()
         p.wait()
@@ -838,7 +909,7 @@ def run_signalled(argv: list[str], env: dict, sig: int, after: str) -> tuple[int
 
 
 @pytest.fixture(scope="module")
-def results(request, fx, tmp_path_factory) -> dict[str, Result]:
+def results(request, fx, tmp_path_factory, runner) -> dict[str, Result]:
     wanted = {
         i.callspec.params["row"].id
         for i in request.session.items
@@ -847,7 +918,7 @@ def results(request, fx, tmp_path_factory) -> dict[str, Result]:
     before = tree(os.path.dirname(fx["T"]))
     base = str(tmp_path_factory.mktemp("nothing_lost_rows"))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {r.id: pool.submit(run_row, r, fx, base) for r in ROWS if r.id in wanted}
+        futures = {r.id: pool.submit(run_row, r, fx, base, runner) for r in ROWS if r.id in wanted}
         out = {k: f.result() for k, f in futures.items()}
     assert tree(os.path.dirname(fx["T"])) == before, "a row changed the shared fixtures (data loss)"
     return out
