@@ -43,11 +43,14 @@ elif [ "$mode" = tests ]; then
     tail -25 | tee "$OUT/tests.log"
 elif [ "$mode" = sft ]; then
   rm -rf /tmp/site && install .whl_trl || exit 1
-  timeout "${TRL_S:-200}" $py .peer/peer_trl.py --proj . --warm-all --warmup 2 --steps 6 --budget-s "${TRL_BUDGET:-180}" \
-    --out "$J/trl.json" 2>&1 | grep -v "^\[rank0\]:\[W" | tee "$OUT/trl.log"
-  timeout "$(left "${BUDGET:-575}")" $py bench/finetune_throughput.py --warm-all --warmup 2 --steps 6 --memory-vocab 0 \
+  # Ours first (OURS_S seconds at most), then TRL's rows in the time left: TRL_VARIANTS in peer_trl.py's names.
+  timeout "${OURS_S:-300}" $py bench/finetune_throughput.py --warm-all --warmup 2 --steps 6 --memory-vocab 0 \
     --only "${ROWS:-ours_packed_compile,ours_padded_compile,ours_packed_capped_compile}" --out "$J/ft.json" 2>&1 |
     tee "$OUT/ft.log"
+  trl_s=$(left "${BUDGET:-575}")
+  timeout "$trl_s" $py .peer/peer_trl.py --proj . --warm-all --warmup 2 --steps 6 --budget-s $((trl_s - 40)) \
+    --variants "${TRL_VARIANTS:-trl_padfree,trl_padded,trl_bfd,trl_padfree_mb16}" --out "$J/trl.json" 2>&1 |
+    grep -v "^\[rank0\]:\[W" | tee "$OUT/trl.log"
   $py .peer/peer_trl.py report "$OUT/ft.log" "$OUT/trl.log" | tee "$OUT/sft_report.txt"
 else
   echo "mode is pretrain, tests or sft, got $mode" >&2
