@@ -1467,9 +1467,9 @@ def pytorch_training_main() -> None:
             raise HarnessError(f"the fallback toolkit module replays torch_distributed only, not {others}")
         if fw.get("sagemaker_torch_distributed_enabled"):
             runner_type = runner.TorchDistributedRunnerType
-    import torch
+    from importlib.metadata import version  # torch's own version string, without importing it (~1.3 s of CPU)
 
-    os.environ["SM_DLC_TORCH_VERSION"] = torch.__version__
+    os.environ["SM_DLC_TORCH_VERSION"] = version("torch")
     entry_point.run(
         uri=env.module_dir,
         user_entry_point=env.user_entry_point,
