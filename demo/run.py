@@ -646,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = dataclasses.replace(QUICK if args.quick else DemoConfig())
     if args.procs is not None:
+        if args.procs > 4 * (os.cpu_count() or 1):  # each is a process with its share of the corpus and the model
+            p.error(f"--procs {args.procs} is far more than this machine's {os.cpu_count()} CPUs")
         cfg.procs = args.procs
     if not args.name or args.name in (".", "..") or "/" in args.name:
         p.error(f"--name {args.name!r}: a run name is one plain directory name under --runs-dir")

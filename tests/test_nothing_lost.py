@@ -534,6 +534,20 @@ ROWS = [
     Row("f5_adapter_on_a_training_run", f"{FT} --adapter {{A}} {NEW}", "--adapter does nothing without --chat"),
     Row("f5_tokenize_out_empty", f'python tokenize.py train --corpus {KDE} --out ""', "--out is empty"),
     Row("f5_demo_procs_0", "python -m demo --procs 0 --runs-dir {W}", "--procs", prog="python -m demo"),
+    Row(  # it became tokenize.py clean --workers 100000, a pool of that many processes (audit 6)
+        "f5_demo_procs_past_the_cpus",
+        "python -m demo --procs 100000 --runs-dir {W}/runs",
+        "--procs 100000 is far more than",
+        prog="python -m demo",
+        absent=("{W}/runs",),
+    ),
+    Row(  # the run blocked on it with no line (audit 6); a tokenizer.json that is a FIFO already said so
+        "f8_chat_data_is_a_fifo",
+        "python finetune.py --model {M} --data {W}/pipe.txt " + SMALL_FT + " --out {W}/a",
+        "{W}/pipe.txt: a FIFO",
+        prep=corpus_fifo,
+        absent=("{W}/a",),
+    ),
     Row(  # "" put the run in the working directory (the fourth audit's find)
         "f5_demo_runs_dir_empty",
         "python -m demo --quick --runs-dir '' --name nl-empty-runs-dir",
@@ -621,6 +635,29 @@ ROWS = [
         changes=("{W}/new",),
         absent=("/opt/ml/checkpoints", "/opt/ml/output/tensorboard"),
         check=check_own_out_under_sagemaker,
+    ),
+    Row(  # a leftover SM_MODEL_DIR on a laptop put the checkpoints and events into a new /opt/ml (audit 6)
+        "f6_sm_model_dir_on_a_laptop_makes_no_opt_ml",
+        f"{TR} --checkpoint-every 1 --tensorboard --out {{W}}/smout",
+        code=0,
+        env={"SM_MODEL_DIR": "{W}/smout"},
+        changes=("{W}/smout",),
+        absent=("/opt/ml",),
+        check=lambda r: [
+            os.path.isdir(os.path.join(r.paths["W"], "smout", d)) or pytest.fail(d + r.explain())
+            for d in ("checkpoints", "tensorboard")
+        ],
+        marks=(pytest.mark.skipif(os.path.isdir("/opt/ml"), reason="this machine has an /opt/ml"),),
+    ),
+    Row(
+        "f6_sm_model_dir_without_out_on_a_laptop",
+        f"{TR} --checkpoint-every 1",
+        code=0,
+        env={"SM_MODEL_DIR": "{W}/sm"},
+        changes=("{W}/sm",),
+        absent=("/opt/ml",),
+        check=lambda r: os.path.isdir(os.path.join(r.paths["W"], "sm", "checkpoints")) or pytest.fail(r.explain()),
+        marks=(pytest.mark.skipif(os.path.isdir("/opt/ml"), reason="this machine has an /opt/ml"),),
     ),
     # 8. errors say what was found
     Row(  # a link where train.py puts phase 2's saves: they went into the shards it points at (fourth audit)
@@ -847,21 +884,22 @@ def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Res
     if row.prep:
         paths.update(row.prep(fx, w))
     argv = _argv(row.cmd.format(**paths))
+    env = {k: v.replace("{W}", w) for k, v in row.env.items()}  # a row's own dir in a variable (SM_MODEL_DIR)
     r = Result(row, paths, argv)
     r.before = tree(w)
     if row.signal or row.during:
         act = (lambda p: row.during(paths)) if row.during else (lambda p: p.send_signal(row.signal))
-        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **row.env}, act, row.after)
+        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **env}, act, row.after)
         r.after = tree(w)
         return r
     try:
         if runner is not None:  # a fork where the row is `python X.py` with no environment of its own
-            p = runner.run(argv, ROOT, {**_clean_env(), **row.env}, ROW_TIMEOUT)
+            p = runner.run(argv, ROOT, {**_clean_env(), **env}, ROW_TIMEOUT)
         else:
             p = subprocess.run(
                 argv,
                 cwd=ROOT,
-                env={**_clean_env(), **row.env},
+                env={**_clean_env(), **env},
                 capture_output=True,
                 text=True,
                 errors="replace",

@@ -754,19 +754,29 @@ def test_metric_regexes_match_real_train_output(train_log):
 
 
 def test_train_paths_default_to_the_container_dirs_inside_sagemaker(monkeypatch):
+    import os
+
     from minilm_az import config as C
     from minilm_az.launch import flags
+
+    def parse():
+        return flags.parse_config(C.TrainConfig, flags.make_parser(C.TrainConfig, "train.py", "x"), ["--phase", "2"])
 
     monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
     monkeypatch.setenv("SM_CHANNEL_DATA", "/opt/ml/input/data/data")
     monkeypatch.setenv("SM_CHANNEL_BASE_MODEL", "/opt/ml/input/data/base_model")
-    cfg = flags.parse_config(C.TrainConfig, flags.make_parser(C.TrainConfig, "train.py", "x"), ["--phase", "2"])
+    isdir = os.path.isdir
+    with monkeypatch.context() as m:  # a container: its /opt/ml is there
+        m.setattr(os.path, "isdir", lambda p: p == "/opt/ml" or isdir(p))
+        cfg = parse()
     assert (cfg.checkpoint_dir, cfg.out, cfg.data, cfg.base_model) == (
         sm.CHECKPOINT_LOCAL_PATH,
         "/opt/ml/model",
         "/opt/ml/input/data/data",
         "/opt/ml/input/data/base_model",
     )
+    if not isdir("/opt/ml"):  # a laptop with SageMaker's variables left set: no checkpoint goes to a new /opt/ml
+        assert parse().checkpoint_dir is None
 
 
 def test_a_replicate_the_user_passes_wins_over_one_copy_per_instance(aws, project):

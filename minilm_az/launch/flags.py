@@ -24,13 +24,20 @@ def in_sagemaker() -> bool:
     return "SM_MODEL_DIR" in os.environ or "SM_TRAINING_ENV" in os.environ
 
 
+def on_container(here: bool = True) -> bool:
+    """Whether the container's fixed paths (/opt/ml/checkpoints, its TensorBoard dir) are this run's: SageMaker's
+    variables are set and /opt/ml is there. A laptop with a leftover SM_MODEL_DIR has no /opt/ml, and the run would
+    make one, outside every dir its command names (audit 5). `here=False`: a container's flags checked elsewhere."""
+    return in_sagemaker() and (not here or os.path.isdir(os.path.dirname(CONTAINER_CHECKPOINTS)))
+
+
 def tensorboard_dir(on: bool, out: str) -> str | None:
     """Where --tensorboard writes event files (None: it is off): OUT/tensorboard, or, when OUT is a SageMaker job's
     model dir, the dir its TensorBoardOutputConfig syncs to S3 (the launcher's --tensorboard sets one up). An
     --out of the user's own keeps its events beside it even where SageMaker's variables are set."""
     if not on:
         return None
-    job_out = in_sagemaker() and os.path.realpath(out) == os.path.realpath(
+    job_out = on_container() and os.path.realpath(out) == os.path.realpath(
         os.environ.get("SM_MODEL_DIR", CONTAINER_MODEL)
     )
     return CONTAINER_TENSORBOARD if job_out else os.path.join(out, "tensorboard")
@@ -154,7 +161,7 @@ def check_bounds(parser: argparse.ArgumentParser, cfg) -> None:
             parser.error(f"{flag(f.name)} must be <= {hi}, got {v}")
 
 
-def sm_defaults(cfg, given: frozenset[str] = frozenset()) -> None:
+def sm_defaults(cfg, given: frozenset[str] = frozenset(), here: bool = True) -> None:
     """Values not given on the command line (`given`: the fields it named), as a container sets them: paths from
     SM_CHANNEL_<CHANNEL> and SM_MODEL_DIR, and fields whose metadata holds a `sagemaker` default of their own."""
     # An --out the user gave (not the job's model dir) keeps its checkpoints beside it, as outside SageMaker; and
@@ -174,7 +181,7 @@ def sm_defaults(cfg, given: frozenset[str] = frozenset()) -> None:
         value = os.environ.get(f"SM_CHANNEL_{ch.upper()}") if ch else None
         if f.metadata.get("container") == CONTAINER_MODEL:
             value = os.environ.get("SM_MODEL_DIR")
-        elif f.metadata.get("container") == CONTAINER_CHECKPOINTS and in_sagemaker():
+        elif f.metadata.get("container") == CONTAINER_CHECKPOINTS and on_container(here):
             value = CONTAINER_CHECKPOINTS
         elif "sagemaker" in f.metadata and in_sagemaker():  # a default of its own there (the checkpoint clock)
             value = f.metadata["sagemaker"]
@@ -207,7 +214,7 @@ def parse_config(cls, parser: argparse.ArgumentParser, argv: list[str] | None = 
             "pip install -e '.[tensorboard]'"
         )
     named = {w[2:].split("=")[0].replace("-", "_") for w in argv if w.startswith("--")}
-    sm_defaults(cfg, frozenset(named | {n[3:] for n in named if n.startswith("no_")}))
+    sm_defaults(cfg, frozenset(named | {n[3:] for n in named if n.startswith("no_")}), here)
     return cfg
 
 

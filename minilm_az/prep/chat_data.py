@@ -12,6 +12,7 @@ import os
 import re
 
 from minilm_az.chat import ChatFormatError, NothingToTrain, encode_chat, validate_messages
+from minilm_az.outputs import describe
 
 # What a user who gave another kind of file needs to see once: the layout a line must have.
 LAYOUT = 'chat JSONL has one {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]} a line'
@@ -91,6 +92,9 @@ def chat_files(data: str, val_data: str | None) -> tuple[list[str], list[str]]:
         val = listing(val_data) if os.path.isdir(val_data) else [val_data]
         if not val:
             raise FileNotFoundError(f"no .jsonl files in {val_data}")
+    for f in train + val:  # a FIFO would be read once (or block until written to), a directory not at all
+        if not os.path.isfile(f):
+            raise ValueError(f"{f}: {describe(f)}, where a chat .jsonl file belongs")
     return train, val
 
 
