@@ -1096,3 +1096,4 @@ def test_sagemaker_defaults_fill_only_what_the_command_line_left_out(monkeypatch
     cfg = parse()
     assert cfg.out == "/opt/ml/model" and cfg.checkpoint_dir == CONTAINER_CHECKPOINTS
     assert parse("--out", "/data/mine").checkpoint_dir is None  # an --out of the user's own keeps them beside it
+    assert parse("--out", "/opt/ml/model/").checkpoint_dir == CONTAINER_CHECKPOINTS  # the job's, spelled otherwise

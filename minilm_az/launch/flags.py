@@ -167,8 +167,9 @@ def sm_defaults(cfg, given: frozenset[str] = frozenset(), here: bool = True) -> 
     # An --out the user gave (not the job's model dir) keeps its checkpoints beside it, as outside SageMaker; and
     # without a job's model dir (SageMaker's variables on a laptop) nothing goes to the container's paths.
     model_dir = os.environ.get("SM_MODEL_DIR")
+    job_dirs = {os.path.normpath(p) for p in (model_dir, CONTAINER_MODEL) if p}  # `/opt/ml/model/` is the job's too
     own_out = any(
-        f.name in given and getattr(cfg, f.name) not in (model_dir, CONTAINER_MODEL)
+        f.name in given and os.path.normpath(getattr(cfg, f.name)) not in job_dirs
         for f in dataclasses.fields(cfg)
         if f.metadata.get("container") == CONTAINER_MODEL
     )
