@@ -16,7 +16,8 @@ same conversations, so the same real tokens per step, whatever it pads.
   bf16, fp32 adapters computing in bf16; no FSDP on one process) and its `train_step`, `--packing` on / off;
   ours_packed_capped (short set): `--max-tokens-per-forward --cap-tokens` (1,024), the memory-capped setting;
   ours_*_compile (CUDA): `--compile`, each block through torch.compile (fewer, fused kernel launches);
-  ours_packed_capped_compile (short set): both;
+  ours_packed_capped_compile: both, on the short set and on the long one with --cap-tokens-long (3,072 of
+  the micro-batch's 4,096), the row that trades a little speed for memory there;
   ours_*_compile_fsdp (long set): the same in FSDP2 over the one GPU, as finetune.py did before 2026-12-04;
 - peer_padded: `transformers.LlamaForCausalLM` in bf16 + `peft.get_peft_model` (fp32 adapters), bf16
   autocast, SDPA, `apply_liger_kernel_to_llama()` when liger-kernel is installed; right-padded micro-batches
@@ -269,6 +270,7 @@ def main():
     p.add_argument("--n-long", type=int, default=160)
     p.add_argument("--memory-vocab", type=int, default=100_352, help="vocab of the 1B memory case (0: skip it)")
     p.add_argument("--cap-tokens", type=int, default=1024, help="--max-tokens-per-forward of the capped row")
+    p.add_argument("--cap-tokens-long", type=int, default=3072, help="the same, of the long set's capped row")
     p.add_argument(
         "--warm-all",
         action="store_true",
@@ -282,7 +284,7 @@ def main():
     device, cuda = proc.device, proc.device.type == "cuda"
     if args.quick:
         args.warmup, args.steps, args.n_long, args.max_seq_len, args.memory_vocab = 1, 2, 32, 256, 0
-        args.cap_tokens = 256
+        args.cap_tokens = args.cap_tokens_long = 256
     lines = [ln.strip() for f in sorted(glob.glob(os.path.join(ROOT, "data/az/*.txt"))) for ln in open(f) if ln.strip()]
     tok = train_tokenizer(lines, 8000, progress=False)
     pad_id = tok.token_to_id(PAD)
@@ -296,6 +298,7 @@ def main():
     capped = dataclasses.replace(fc, max_tokens_per_forward=args.cap_tokens)
     compiled = dataclasses.replace(fc, compile=True)
     capped_c = dataclasses.replace(capped, compile=True)
+    cap_long = dataclasses.replace(capped_c, max_tokens_per_forward=args.cap_tokens_long)
     gpu_sets = ("short", "long") if cuda else ()  # compiled rows: CUDA only (CPU Inductor is slow to build)
     plan = [  # (variant, builder, layout, config, sets); the peer first, so no compiled row runs before it
         ("peer_padded", lambda: build_peer(mcfg, fc, device, liger), False, fc, ("short", "long")),
@@ -306,6 +309,7 @@ def main():
         ("ours_packed_compile", lambda: build_ours(mcfg, compiled, proc), max_len, compiled, gpu_sets),
         ("ours_padded_compile", lambda: build_ours(mcfg, compiled, proc), None, compiled, gpu_sets),
         ("ours_packed_capped_compile", lambda: build_ours(mcfg, capped_c, proc), max_len, capped_c, gpu_sets[:1]),
+        ("ours_packed_capped_compile", lambda: build_ours(mcfg, cap_long, proc), max_len, cap_long, gpu_sets[1:]),
         ("ours_packed_compile_fsdp", lambda: build_ours(mcfg, compiled, proc, True), max_len, compiled, gpu_sets[1:]),
         ("ours_padded_compile_fsdp", lambda: build_ours(mcfg, compiled, proc, True), None, compiled, gpu_sets[1:]),
         # the peer again, last: a check that the rows before it (compiled ones) did not slow the GPU down
