@@ -1,11 +1,15 @@
 """finetune.py end to end, as a user runs it: adapter loaded by peft, --merge loaded by transformers,
 torchrun on 2 processes equal to 1, bad input refused with the file named, and --prompt."""
 
+import contextlib
 import json
 import os
-import subprocess
+import re
+import signal
 import sys
+import time
 
+import prefork  # tests/prefork.py (pytest puts this folder on sys.path too)
 import pytest
 import torch
 
@@ -45,8 +49,10 @@ ARGS = [
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
-def _run(cmd, **kw):
-    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240, **kw)
+def _run(cmd, env=ENV):
+    """`cmd` to its end, as a fork of an interpreter that imported torch once where it is `python finetune.py ...`
+    (tests/prefork.py), else (torchrun) as a subprocess."""
+    r = prefork.run(cmd, ROOT, env, 240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
 
@@ -264,20 +270,19 @@ def test_a_killed_finetune_resumes_to_the_same_adapter_from_a_local_dir_and_from
         for where, extra in (("local", []), ("s3", ["--checkpoint-dir", "s3://finetune-ckpt/run/"])):
             out = str(tmp_path / f"killed-{where}")
             cmd = [sys.executable, "finetune.py", "--model", base, "--out", out, *args, *extra]
-            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            try:
-                for line in p.stdout:
-                    if line.startswith("finetune step=5 "):
-                        break
-            finally:
-                p.kill()
-                p.communicate(timeout=60)
+            log = tmp_path / f"killed-{where}.log"
+            job, deadline = prefork.start(cmd, ROOT, env, str(log)), time.monotonic() + 240
+            while not re.search(r"^finetune step=5 ", log.read_text(), re.M) and job.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError):  # ended already: the assertion below says so
+                os.kill(job.pid, signal.SIGKILL)
+            job.wait(60)
             assert not os.path.exists(os.path.join(out, "adapter_model.safetensors")), where
             if where == "s3":
                 keys = s3.keys("finetune-ckpt", "run/")
                 assert any(k.endswith("commit.json") for k in keys), keys  # the kill left a committed checkpoint
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+            r = _run(cmd, env)
             resumed = int(r.stdout.split("resume from=")[1].split(" step=")[1].split()[0])
             assert resumed in (2, 4), r.stdout  # step 4's save is published by the time step 5 ends, or step 2's is
             assert [s["step"] for s in _records(out, "finetune")][-8 + resumed :] == list(range(resumed + 1, 9))
