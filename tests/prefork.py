@@ -10,7 +10,8 @@ argv, sys.path[0] and file descriptors 0-2, and runs the script as `__main__` wi
 exit code, an uncaught exception's traceback, a signal) is that of `python SCRIPT`. Only plain `python X.py`
 commands go this way; `-m`, torchrun and anything else run as subprocesses (`Prefork.run` says which it did).
 `start()` forks a command and returns at once (pid, poll, wait: a test may kill it), and the ranks of a
-torchrun-style job fork from one server: their environments differ only in RANK_VARS, which no import reads.
+torchrun-style job fork from one server: their environments differ only in RANK_VARS, which no import reads (nor
+the RUNTIME_PREFIXES variables: a command given SM_MODEL_DIR forks from the server of one without it).
 `run_ranks()` runs such a job to its end, as `torchrun --standalone` would without its agent. A test's own script
 (not a root script) forks too where its caller says so (`any_script`): it must import only this checkout's modules.
 """
@@ -42,6 +43,10 @@ RANK_VARS = frozenset(
     "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID "
     "SM_CURRENT_HOST".split()
 )
+# Read only when a command runs, never by an import (this checkout's modules read the environment inside functions;
+# torch's imports read its own TORCH_*, OMP_* and the like): SageMaker's, this project's and AWS's variables. A
+# command whose environment adds or changes only these forks from the same server as one without them.
+RUNTIME_PREFIXES = ("SM_", "MINILM_AZ_", "AWS_")
 
 
 # Modules a training run imports lazily (FSDP2 and DCP bring torch._dynamo along): ~1.1 s of CPU in every rank of
@@ -50,7 +55,7 @@ PRELOAD = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpo
 
 
 def server_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k not in RANK_VARS}
+    return {k: v for k, v in env.items() if k not in RANK_VARS and not k.startswith(RUNTIME_PREFIXES)}
 
 
 def top_level_imports() -> list[str]:
