@@ -49,14 +49,14 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: $(SETUP)  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (9-12 min on 2 cores)
 	$(PYTHON) -m demo --name $(NAME)
 
-demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~1.5 min)
+demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~2 min)
 	$(PYTHON) -m demo --name $(NAME)-quick --quick
 
 report: $(SETUP)  ## rewrite runs/$(NAME)/report.md and its plots from what the run left
 	$(PYTHON) -m demo.report runs/$(NAME)
 
 # -n 2: two pytest-xdist workers (tests/conftest.py groups the tests so a module's fixtures are built once).
-test: $(SETUP)  ## the whole suite (GPU tests skip without CUDA), ~12 min on 2 cores (pytest -n 2)
+test: $(SETUP)  ## the whole suite (GPU tests skip without CUDA), ~10 min on 2 cores (pytest -n 2)
 	$(PYTHON) -m pytest -q -ra -n 2
 
 lint: $(SETUP)  ## ruff check and ruff format --check, as CI runs them
