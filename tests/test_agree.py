@@ -33,12 +33,6 @@ def _worker(rank: int, world: int, port: int, failing: list[int], out: str) -> N
     parallel.teardown()
 
 
-def ranks(fn, args: tuple, n: int) -> None:
-    """fn(rank, *args) in n processes forked from this one: each has torch imported already (a spawned rank
-    imports it again, ~2 s of CPU). The test process never starts a process group, so nothing of gloo's forks."""
-    mp.start_processes(fn, args=args, nprocs=n, join=True, start_method="fork")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,12 +49,12 @@ def _free_port() -> int:
     ids=["none", "host2_only", "every_rank_alike"],
 )
 def test_every_rank_raises_the_first_failing_ranks_reason(tmp_path, failing, expected):
-    ranks(_worker, (2, _free_port(), failing, str(tmp_path)), 2)
+    mp.spawn(_worker, args=(2, _free_port(), failing, str(tmp_path)), nprocs=2, join=True)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == expected
 
 
 def test_three_ranks_failing_differently_name_the_first_and_count_the_rest(tmp_path):
-    ranks(_worker, (3, _free_port(), [1, 2], str(tmp_path)), 3)
+    mp.spawn(_worker, args=(3, _free_port(), [1, 2], str(tmp_path)), nprocs=3, join=True)
     want = "ValueError: rank 1 on algo-2 (and 1 more ranks): /opt/ml/checkpoints: not writable here (1)"
     assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == [want] * 3
 
