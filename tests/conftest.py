@@ -9,6 +9,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -128,6 +129,20 @@ def pytest_runtest_makereport(item, call):
 
 
 CPU_AT_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that trains in this process leaves train's SIGTERM and SIGINT handlers installed (RunControl's, which
+    only take note): put back what was there, else a later multiprocessing pool's terminate() (tokenize.py clean,
+    forked from this process) sends its workers a SIGTERM they survive, and the pool's join waits for ever."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+
+
 SESSION: dict = {"start": time.monotonic(), "wall": {}, "cpu": {}, "tests": {}}
 
 
