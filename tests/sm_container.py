@@ -1424,16 +1424,12 @@ def _patch_toolkit(spec: dict, status: dict) -> None:
 
     logging_config.log_script_invocation = record_invocation
 
-    # The image's module imports torch for one thing, SM_DLC_TORCH_VERSION: the same string comes from the package
-    # metadata here, without ~1.5 s of CPU in every host of every replay (its value is unchanged).
     try:
         from sagemaker_pytorch_container import training as image
-    except ImportError:  # not installed: pytorch_training_main, which does the same
+    except ImportError:  # not installed: pytorch_training_main, which calls the same function
         image = None
     if image is not None and hasattr(image, "_set_torch_version_environment"):
-        from importlib.metadata import version
-
-        image._set_torch_version_environment = lambda: os.environ.update(SM_DLC_TORCH_VERSION=version("torch"))
+        image._set_torch_version_environment = set_torch_version_environment
 
     create = process.create
 
@@ -1451,6 +1447,14 @@ def _patch_toolkit(spec: dict, status: dict) -> None:
         return rc, output, proc
 
     process.create = record_create
+
+
+def set_torch_version_environment() -> None:
+    """SM_DLC_TORCH_VERSION, which the image's module sets by importing torch: the same string from the package
+    metadata, without ~1.5 s of CPU in every host of every replay."""
+    from importlib.metadata import version
+
+    os.environ["SM_DLC_TORCH_VERSION"] = version("torch")
 
 
 def pytorch_training_main() -> None:
@@ -1481,9 +1485,7 @@ def pytorch_training_main() -> None:
             raise HarnessError(f"the fallback toolkit module replays torch_distributed only, not {others}")
         if fw.get("sagemaker_torch_distributed_enabled"):
             runner_type = runner.TorchDistributedRunnerType
-    from importlib.metadata import version  # torch's own version string, without importing it (~1.3 s of CPU)
-
-    os.environ["SM_DLC_TORCH_VERSION"] = version("torch")
+    set_torch_version_environment()
     entry_point.run(
         uri=env.module_dir,
         user_entry_point=env.user_entry_point,

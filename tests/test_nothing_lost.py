@@ -400,6 +400,19 @@ def check_own_out_under_sagemaker(r):
     assert [n for n in os.listdir(os.path.join(new, "tensorboard")) if n.startswith("events.")], "no events in --out"
 
 
+def check_made(*dirs: str):
+    """A check that the run made each of `dirs` (relative to the row's dir W)."""
+
+    def check(r):
+        for d in dirs:
+            assert os.path.isdir(os.path.join(r.paths["W"], d)), d + r.explain()
+
+    return check
+
+
+NO_OPT_ML = (pytest.mark.skipif(os.path.isdir("/opt/ml"), reason="this machine has an /opt/ml"),)
+
+
 def check_twin_resumed(r):
     assert "resume from=" in r.stdout, r.stdout[-2000:]
 
@@ -643,11 +656,8 @@ ROWS = [
         env={"SM_MODEL_DIR": "{W}/smout"},
         changes=("{W}/smout",),
         absent=("/opt/ml",),
-        check=lambda r: [
-            os.path.isdir(os.path.join(r.paths["W"], "smout", d)) or pytest.fail(d + r.explain())
-            for d in ("checkpoints", "tensorboard")
-        ],
-        marks=(pytest.mark.skipif(os.path.isdir("/opt/ml"), reason="this machine has an /opt/ml"),),
+        check=check_made("smout/checkpoints", "smout/tensorboard"),
+        marks=NO_OPT_ML,
     ),
     Row(
         "f6_sm_model_dir_without_out_on_a_laptop",
@@ -656,8 +666,8 @@ ROWS = [
         env={"SM_MODEL_DIR": "{W}/sm"},
         changes=("{W}/sm",),
         absent=("/opt/ml",),
-        check=lambda r: os.path.isdir(os.path.join(r.paths["W"], "sm", "checkpoints")) or pytest.fail(r.explain()),
-        marks=(pytest.mark.skipif(os.path.isdir("/opt/ml"), reason="this machine has an /opt/ml"),),
+        check=check_made("sm/checkpoints"),
+        marks=NO_OPT_ML,
     ),
     # 8. errors say what was found
     Row(  # a link where train.py puts phase 2's saves: they went into the shards it points at (fourth audit)
