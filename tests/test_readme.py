@@ -183,12 +183,13 @@ def test_the_cpu_block_runs_as_written_twice_in_a_fresh_shell_with_a_core_instal
     assert sorted(os.listdir(clone / "runs")) == ["demo", "try"]
 
 
-def test_the_demo_durations_are_one_set_in_readme_makefile_and_help():
+def test_the_demo_durations_are_one_set_in_readme_makefile_docs_and_help():
     from demo.run import DURATIONS
 
     full, quick = re.findall(r"(\S+ min)", DURATIONS)
     makefile = open(os.path.join(ROOT, "Makefile"), encoding="utf-8").read()
-    for text, where in ((README, "README.md"), (makefile, "Makefile")):
+    guide = open(os.path.join(ROOT, "docs", "demo.md"), encoding="utf-8").read()
+    for text, where in ((README, "README.md"), (makefile, "Makefile"), (guide, "docs/demo.md")):
         assert full in text and quick in text, f"{where} does not say {full!r} and {quick!r} as --help does"
 
 
