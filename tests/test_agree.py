@@ -12,24 +12,26 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(rank: int, world: int, port: int, failing: list[int], out: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: dict[str, list[int]], out: str) -> None:
+    """Each case in turn, in one process group: `agree` is one collective a call and leaves none waiting."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), SM_CURRENT_HOST=f"algo-{rank + 1}")
     from minilm_az import parallel
 
     proc = parallel.setup("cpu")
+    for case, failing in cases.items():
 
-    def check() -> int:
-        if rank in failing:
-            raise OSError(f"/opt/ml/checkpoints: not writable here ({'same' if len(failing) == world else rank})")
-        return 7
+        def check(failing: list[int] = failing) -> int:
+            if rank in failing:
+                raise OSError(f"/opt/ml/checkpoints: not writable here ({'same' if len(failing) == world else rank})")
+            return 7
 
-    try:
-        result = f"ok {parallel.agree(check, proc)}"
-    except (ValueError, OSError) as e:
-        result = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out, f"rank{rank}"), "w") as f:
-        f.write(result)
+        try:
+            result = f"ok {parallel.agree(check, proc)}"
+        except (ValueError, OSError) as e:
+            result = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"{case}-rank{rank}"), "w") as f:
+            f.write(result)
     parallel.teardown()
 
 
@@ -39,24 +41,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(
-    "failing, expected",
-    [
-        ([], ["ok 7", "ok 7"]),
-        ([1], ["ValueError: rank 1 on algo-2: /opt/ml/checkpoints: not writable here (1)"] * 2),
-        ([0, 1], ["OSError: /opt/ml/checkpoints: not writable here (same)"] * 2),  # the plain message
-    ],
-    ids=["none", "host2_only", "every_rank_alike"],
-)
-def test_every_rank_raises_the_first_failing_ranks_reason(tmp_path, failing, expected):
-    mp.spawn(_worker, args=(2, _free_port(), failing, str(tmp_path)), nprocs=2, join=True)
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == expected
+# Two ranks (hosts), the ranks that fail a check, and what each rank then holds.
+TWO_RANKS = {
+    "none": ([], ["ok 7", "ok 7"]),
+    "host2_only": ([1], ["ValueError: rank 1 on algo-2: /opt/ml/checkpoints: not writable here (1)"] * 2),
+    "every_rank_alike": ([0, 1], ["OSError: /opt/ml/checkpoints: not writable here (same)"] * 2),  # the plain message
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    """The cases of TWO_RANKS, one after another, in one job of two processes (a job each cost 4 more torch starts)."""
+    out = str(tmp_path_factory.mktemp("agree"))
+    cases = {case: failing for case, (failing, _) in TWO_RANKS.items()}
+    mp.spawn(_worker, args=(2, _free_port(), cases, out), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.parametrize("case", TWO_RANKS)
+def test_every_rank_raises_the_first_failing_ranks_reason(two_ranks, case):
+    got = [open(os.path.join(two_ranks, f"{case}-rank{r}")).read() for r in range(2)]
+    assert got == TWO_RANKS[case][1]
 
 
 def test_three_ranks_failing_differently_name_the_first_and_count_the_rest(tmp_path):
-    mp.spawn(_worker, args=(3, _free_port(), [1, 2], str(tmp_path)), nprocs=3, join=True)
+    mp.spawn(_worker, args=(3, _free_port(), {"two_fail": [1, 2]}, str(tmp_path)), nprocs=3, join=True)
     want = "ValueError: rank 1 on algo-2 (and 1 more ranks): /opt/ml/checkpoints: not writable here (1)"
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == [want] * 3
+    assert [(tmp_path / f"two_fail-rank{r}").read_text() for r in range(3)] == [want] * 3
 
 
 @pytest.mark.parametrize(

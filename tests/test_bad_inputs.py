@@ -632,10 +632,10 @@ ROWS = [
     Row("train_seq_len_0", f"{TR} --seq-len 0 --out {{W}}/out", fragment="--seq-len", absent=("{W}/out",), fast=True),
     Row(
         "train_replicate_not_dividing_the_processes",
-        "torchrun --standalone --nproc_per_node 4 train.py --phase 2 "
+        "torchrun --standalone --nproc_per_node 2 train.py --phase 2 "
         f"--tokenizer {{T}} --data {{S}} {SMALL} --global-batch 4 --replicate 3 --out {{W}}/out",
         code=1,
-        fragment="--replicate 3 must divide the number of processes (4)",
+        fragment="--replicate 3 must divide the number of processes (2)",
         absent=("{W}/out",),
         check=check_ranks_exit_2,
     ),

@@ -11,6 +11,7 @@ names in `changes` (a run that must succeed writes its output). One set-up (a 40
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -155,7 +157,7 @@ def add_a_token(paths):
 def adapter_then_new_base_tokenizer(fx, w):
     """A 1-step adapter on a copy of M, whose tokenizer.json is then edited: the adapter's ids are the old one's."""
     x = base_copy(fx, w)["X"]
-    _run(FT + " --out {O}", M=x, CHAT=CHAT, O=os.path.join(w, "out"))
+    _run(FT + " --out {O}", fx["runner"], M=x, CHAT=CHAT, O=os.path.join(w, "out"))
     add_a_token({"X": x})
     return {"X": x}
 
@@ -313,7 +315,7 @@ def adapter_copy(fx, w):
 def merged_adapter(fx, w):
     """A finished 1-step adapter with --merge: OUT/merged is the base with this adapter folded in."""
     x = os.path.join(w, "adapter")
-    _run(FT + " --merge --out {X}", **fx, X=x)
+    _run(FT + " --merge --out {X}", **fx, X=x)  # fx["runner"] is _run's runner
     return {"X": x}
 
 
@@ -321,7 +323,7 @@ def earlier_evaluation(fx, w):
     """An --eval-only output (its metrics.jsonl, its marker) and a text large enough that encoding it takes seconds,
     so a signal sent once the model is built lands before the evaluation's line."""
     x = os.path.join(w, "eval")
-    _run(f"{EVAL} --eval-text {KDE} --eval-batches 1 --out {{X}}", **fx, X=x)
+    _run(f"{EVAL} --eval-text {KDE} --eval-batches 1 --out {{X}}", **fx, X=x)  # fx["runner"] is _run's runner
     with open(KDE, encoding="utf-8") as f:
         text = f.read()
     with open(os.path.join(w, "big.txt"), "w", encoding="utf-8") as f:
@@ -876,7 +878,8 @@ def runner():
 
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory, runner) -> dict:
-    """T: a 400-id tokenizer (kde); S: its shards; M: a finished 2-step tiny model; A: a finished 1-step adapter."""
+    """T: a 400-id tokenizer (kde); S: its shards; M: a finished 2-step tiny model; A: a finished 1-step adapter;
+    and the runner, which the rows' preps run their commands with too."""
     d = str(tmp_path_factory.mktemp("nothing_lost_fx"))
     p = {k: os.path.join(d, k) for k in ("T", "S", "M", "A")} | {"CHAT": CHAT}
     _run(f"python tokenize.py train --no-progress --vocab-size 400 --corpus {KDE} --out {{T}}", runner, **p)
@@ -884,7 +887,7 @@ def fx(tmp_path_factory, runner) -> dict:
     _run(enc, runner, **p)
     _run(TR + " --out {M}", runner, **p)
     _run(FT + " --out {A}", runner, **p)
-    return p
+    return p | {"runner": runner}
 
 
 def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Result:
@@ -898,8 +901,8 @@ def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Res
     r = Result(row, paths, argv)
     r.before = tree(w)
     if row.signal or row.during:
-        act = (lambda p: row.during(paths)) if row.during else (lambda p: p.send_signal(row.signal))
-        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **env}, act, row.after)
+        act = (lambda pid: row.during(paths)) if row.during else (lambda pid: os.kill(pid, row.signal))
+        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **env}, act, row.after, runner)
         r.after = tree(w)
         return r
     try:
@@ -923,12 +926,36 @@ def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Res
     return r
 
 
-def run_signalled(argv: list[str], env: dict, act: Callable, after: str) -> tuple[int | None, str, str]:
-    """Run `argv`, call `act(process)` once a line of its stdout holds `after` (it sends a signal, or changes an
-    input), and return (exit code, stdout, stderr).
+def run_signalled(
+    argv: list[str], env: dict, act: Callable[[int], None], after: str, runner: Prefork | None = None
+) -> tuple[int | None, str, str]:
+    """Run `argv`, call `act(pid)` once its stdout holds `after` (it sends a signal, or changes an input), and
+    return (exit code, stdout, stderr). A fork of `runner` where the row is `python X.py` with no environment of its
+    own (its stdout a file, read as it grows), else a subprocess (its stdout a pipe).
 
-    SIGINT is given its default action in the child, so that Python turns it into Ctrl-C's KeyboardInterrupt even
-    where the test runs in a shell's background job, which ignores it."""
+    SIGINT is given its default action in the child (Prefork's children get it too), so that Python turns it into
+    Ctrl-C's KeyboardInterrupt even where the test runs in a shell's background job, which ignores it."""
+    if runner is not None and runner.forks(argv, ROOT, env):
+        with tempfile.TemporaryDirectory(prefix="signalled-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            job = runner.start(argv, ROOT, env, out, err)
+            deadline, seen = time.monotonic() + ROW_TIMEOUT, ""
+            with open(out, encoding="utf-8", errors="replace") as f:
+                while time.monotonic() < deadline:
+                    ended = job.event.is_set()
+                    seen += f.read()
+                    if ended or after in seen:
+                        break
+                    time.sleep(0.005)
+            if after in seen and not job.event.is_set():
+                with contextlib.suppress(ProcessLookupError):  # it ended just now: as Popen.send_signal, nothing
+                    act(job.pid)
+            try:
+                job.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.kill(job.pid, signal.SIGKILL)
+            with open(out, encoding="utf-8", errors="replace") as o, open(err, encoding="utf-8", errors="replace") as e:
+                return job.wait(30), o.read(), e.read()
     with tempfile.TemporaryFile("w+", errors="replace") as err:
         p = subprocess.Popen(
             argv,
@@ -947,7 +974,7 @@ def run_signalled(argv: list[str], env: dict, act: Callable, after: str) -> tupl
         for line in p.stdout:
             lines.append(line)
             if after in line:
-                act(p)
+                act(p.pid)
                 break
         rest = p.stdout.read()
         p.wait()
