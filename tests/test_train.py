@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -165,10 +166,10 @@ def data(tmp_path_factory):
     model of its vocabulary; and shards written with the base tokenizer (for the hash mismatch)."""
     d = tmp_path_factory.mktemp("train")
 
-    def tokenize(*args):
-        subprocess.run(
-            [sys.executable, "tokenize.py", *args, "--no-progress"], cwd=ROOT, env=ENV, check=True, capture_output=True
-        )
+    def tokenize(*args):  # forks of the server run_one's train.py runs fork from
+        argv = [sys.executable, "tokenize.py", *map(str, args), "--no-progress"]
+        r = prefork.run(argv, str(ROOT), ENV, timeout=180)
+        assert r.returncode == 0, f"{shlex.join(argv)}\n{r.stderr[-3000:]}"
 
     tokenize("train", "--corpus", *CORPUS, "--vocab-size", "1000", "--out", d / "tok")
     tokenize("encode", "--tokenizer", d / "tok", "--corpus", *CORPUS, "--val-corpus", VAL, "--out", d / "shards")
