@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
 
+import prefork
 import pytest
 from conftest import BUCKET, ROLE  # the mocked account the aws fixture sets up
 
@@ -677,71 +679,20 @@ def test_instance_families_in_the_typo_table_are_real_training_families():
 # ---------------------------------------------------------------------------------------------
 # Container-like run of the real train.py (skipped until the root scripts exist)
 
-CORPUS = "\n".join(
-    f"Azərbaycan dili türk dillərinin oğuz qrupuna daxildir. Bakı şəhəri Xəzər dənizinin sahilindədir {i}."
-    for i in range(400)
-)
-
-
-def _run(argv, env=None, cwd=None, timeout=300):
-    out = subprocess.run(
-        [sys.executable, *map(str, argv)], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-    assert out.returncode == 0, f"{argv}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout + out.stderr
-
 
 @pytest.fixture(scope="module")
-def train_log(tmp_path_factory):
-    """A tokenizer, shards and a 4-step train.py run; its output is what CloudWatch's regexes read.
+def train_log(tmp_path_factory, small_tokenizer_dir, container_shards_dir):
+    """A 4-step train.py run on the suite's small tokenizer and shards; its output is what CloudWatch's regexes
+    read. A fork of tests/prefork.py's server (test_train.py's one-process runs share it), as `python train.py`.
     (tests/test_sm_container.py replays whole jobs in a simulated container.)"""
-    tmp = tmp_path_factory.mktemp("sm")
-    (tmp / "corpus").mkdir()
-    (tmp / "corpus" / "az.txt").write_text(CORPUS, encoding="utf-8")
-    tokenize, train = ROOT / TOKENIZE_SCRIPT, ROOT / TRAIN_SCRIPT
-    _run([tokenize, "train", "--corpus", tmp / "corpus" / "az.txt", "--vocab-size", "512", "--out", tmp / "tok"])
-    _run(
-        [
-            tokenize,
-            "encode",
-            "--corpus",
-            tmp / "corpus" / "az.txt",
-            "--tokenizer",
-            tmp / "tok",
-            "--val-fraction",
-            "0.1",
-            "--out",
-            tmp / "shards",
-        ]
-    )
-    return _run(
-        [
-            train,
-            "--phase",
-            "2",
-            "--data",
-            tmp / "shards",
-            "--tokenizer",
-            tmp / "tok",
-            "--out",
-            tmp / "out",
-            "--preset",
-            "tiny",
-            "--steps",
-            "4",
-            "--log-every",
-            "1",
-            "--eval-every",
-            "2",
-            "--seq-len",
-            "64",
-            "--global-batch",
-            "2",
-            "--device",
-            "cpu",
-        ],
-        cwd=tmp,
-    )
+    out = tmp_path_factory.mktemp("sm") / "out"
+    argv = [sys.executable, TRAIN_SCRIPT, "--phase", "2", "--data", container_shards_dir]
+    argv += ["--tokenizer", small_tokenizer_dir, "--out", str(out), "--preset", "tiny", "--steps", "4"]
+    argv += ["--log-every", "1", "--eval-every", "2", "--seq-len", "64", "--global-batch", "2", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SM_") and k not in prefork.RANK_VARS}
+    r = prefork.run(argv, str(ROOT), {**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, f"{argv}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout + r.stderr
 
 
 @pytest.mark.slow
