@@ -261,3 +261,13 @@ def test_finetune_hsdp_equals_fsdp_on_four_processes(small_tokenizer_dir, tmp_pa
     assert sorted(a) == sorted(b)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_replicate_must_divide_the_processes_not_only_fit_in_them():
+    """--replicate 3 on 4 processes fits but does not divide them (test_bad_inputs' torchrun row runs 3 on 2)."""
+    from minilm_az.parallel import check_replicate
+
+    for replicate, world in ((1, 4), (2, 4), (4, 4), (2, 8)):
+        check_replicate(replicate, world)
+    with pytest.raises(ValueError, match=r"^--replicate 3 must divide the number of processes \(4\)$"):
+        check_replicate(3, 4)

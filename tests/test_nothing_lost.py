@@ -953,7 +953,8 @@ def run_signalled(
             try:
                 job.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.kill(job.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it ended just now
+                    os.kill(job.pid, signal.SIGKILL)
             with open(out, encoding="utf-8", errors="replace") as o, open(err, encoding="utf-8", errors="replace") as e:
                 return job.wait(30), o.read(), e.read()
     with tempfile.TemporaryFile("w+", errors="replace") as err:
