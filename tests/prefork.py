@@ -8,8 +8,9 @@ The server (this file, run as a script with the environment the commands get) im
 import at their top, then forks one child per request; the child takes the request's directory, environment,
 argv, sys.path[0] and file descriptors 0-2, and runs the script as `__main__` with runpy, so that its exit (an
 exit code, an uncaught exception's traceback, a signal) is that of `python SCRIPT`. Only plain `python X.py`
-commands go this way; `-m`, torchrun and anything else run as subprocesses (`Prefork.run` says which it did).
-`start()` forks a command and returns at once (pid, poll, wait: a test may kill it), and the ranks of a
+commands go this way; `-m`, torchrun and anything else run as subprocesses (`Prefork.forks` says which).
+`start()` forks a command and returns at once (pid, poll, wait: a test may kill it); `run(..., after, act)`
+calls `act(pid)` once the command's stdout holds `after` (a signal mid-run, an input changed). The ranks of a
 torchrun-style job fork from one server: their environments differ only in RANK_VARS, which no import reads (nor
 the RUNTIME_PREFIXES variables: a command given SM_MODEL_DIR forks from the server of one without it).
 `run_ranks()` runs such a job to its end, as `torchrun --standalone` would without its agent. A test's own script
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("tokenize.py", "train.py", "finetune.py")
@@ -48,6 +50,16 @@ RANK_VARS = frozenset(
 # command whose environment adds or changes only these forks from the same server as one without them.
 RUNTIME_PREFIXES = ("SM_", "MINILM_AZ_", "AWS_")
 
+
+# The environment of a plain `python X.py` on this machine, taken when the suite starts (before any fixture sets
+# moto's AWS variables): nothing from a SageMaker or torchrun environment of the caller (it would change train.py's
+# defaults under test), one thread a process (the suite runs several at once). The modules that use it share one
+# server a worker.
+PLAIN_ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+} | {"OMP_NUM_THREADS": "1"}
 
 # Modules a training run imports lazily (FSDP2 and DCP bring torch._dynamo along): ~1.1 s of CPU in every rank of
 # every run, paid once in the server instead.
@@ -176,6 +188,7 @@ def root_script(argv: list[str], cwd: str) -> bool:
     )
 
 
+Act = Callable[[int], None]  # what a test does to a running command, given its pid
 _CPU = [0.0]  # CPU seconds of the servers' imports and of the commands that ended, as the servers report them
 _CPU_LOCK = threading.Lock()
 
@@ -279,29 +292,16 @@ class Prefork:
             time.sleep(0.001)
         return job
 
-    def run(self, argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: list[str], cwd: str, env: dict, timeout: float, after: str = "", act: Act | None = None
+    ) -> subprocess.CompletedProcess:
+        """`argv` to its end (a fork where self.forks holds, else a subprocess); with `act`, `act(pid)` is called
+        once the command's stdout holds the text `after` (see `_follow`)."""
         if not self.forks(argv, cwd, env):
-            return subprocess.run(
-                argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
-                stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+            return _subprocess_run(argv, cwd, env, timeout, after, act)
         with tempfile.TemporaryDirectory(prefix="prefork-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            for p in (out, err):
-                open(p, "w").close()
-            job = self.start(argv, cwd, env, out, err)
-            timed_out = not job.event.wait(timeout)
-            if timed_out and job.pid is not None:
-                os.kill(job.pid, signal.SIGKILL)
-                job.event.wait(30)
-
-            def read(p):
-                with open(p, encoding="utf-8", errors="replace") as f:
-                    return f.read()
-
-            if timed_out:
-                raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
-            return subprocess.CompletedProcess(argv, job.code, read(out), read(err))
+            return _follow(argv, self.start(argv, cwd, env, out, err), out, err, timeout, after, act)
 
     def _count(self, seconds: float) -> None:
         self.reported += seconds
@@ -330,14 +330,71 @@ def _server(env: dict) -> Prefork:
         return _SERVERS[key]
 
 
-def run(argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Prefork.run through the server for `env`."""
-    if not root_script(argv, cwd):
+def _follow(
+    argv: list[str], job: _Job | subprocess.Popen, out: str, err: str, timeout: float, after: str, act: Act | None
+) -> subprocess.CompletedProcess:
+    """Wait for `job`, which writes to the files `out` and `err`, and read them. With `act`, read stdout as it grows
+    and call `act(pid)` once it holds `after` (a test sends a signal, or changes an input mid-run), unless the job
+    ended first. Past the timeout the job is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+
+    def read(p):
+        with open(p, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    deadline = time.monotonic() + timeout
+    if act is not None:
+        with open(out, encoding="utf-8", errors="replace") as f:
+            seen = ""
+            while time.monotonic() < deadline:
+                ended = job.poll() is not None
+                seen += f.read()
+                if after in seen and not ended:
+                    with contextlib.suppress(ProcessLookupError):  # it ended just now: as Popen.send_signal, nothing
+                        act(job.pid)
+                if after in seen or ended:
+                    break
+                time.sleep(0.005)
+    try:
+        code = job.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # it ended just now
+            os.kill(job.pid, signal.SIGKILL)
+        job.wait(30)
+        raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err)) from None
+    return subprocess.CompletedProcess(argv, code, read(out), read(err))
+
+
+def _default_sigint() -> None:
+    """In a subprocess that a test signals: SIGINT's default action (Python's KeyboardInterrupt, as at a terminal),
+    even where the test runs in a shell's background job, which ignores it (Prefork's children get it too)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _subprocess_run(
+    argv: list[str], cwd: str, env: dict, timeout: float, after: str = "", act: Act | None = None
+) -> subprocess.CompletedProcess:
+    """`run` for a command that does not fork: subprocess.run, or with `act` a Popen followed as a fork is."""
+    if act is None:
         return subprocess.run(
             argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
-    return _server(env).run(argv, cwd, env, timeout)
+    with tempfile.TemporaryDirectory(prefix="prefork-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        with open(out, "wb") as o, open(err, "wb") as e:
+            job = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL, preexec_fn=_default_sigint
+            )
+        return _follow(argv, job, out, err, timeout, after, act)
+
+
+def run(
+    argv: list[str], cwd: str, env: dict, timeout: float, after: str = "", act: Act | None = None
+) -> subprocess.CompletedProcess:
+    """Prefork.run through the server for `env`."""
+    if not root_script(argv, cwd):
+        return _subprocess_run(argv, cwd, env, timeout, after, act)
+    return _server(env).run(argv, cwd, env, timeout, after, act)
 
 
 def start(

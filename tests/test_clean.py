@@ -7,10 +7,10 @@ import io
 import json
 import os
 import random
-import subprocess
 import sys
 
 import numpy as np
+import prefork  # tests/prefork.py (pytest puts this folder on sys.path too)
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -29,9 +29,10 @@ def planted():
 
 
 def tokenize(*args, check=True):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    """`python tokenize.py ARGS --no-progress` in the repository root, as a fork of an interpreter that imported its
+    modules once (tests/prefork.py)."""
     cmd = [sys.executable, "tokenize.py", *args, "--no-progress"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = prefork.run(cmd, ROOT, prefork.PLAIN_ENV, timeout=300)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p

@@ -30,7 +30,7 @@ import pytest
 import test_train
 import torch
 from safetensors.torch import load_file
-from test_train import CORPUS, ENV, ROOT, VAL, assert_losses_match, losses, records, weights
+from test_train import CORPUS, ROOT, VAL, assert_losses_match, losses, records, weights
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,9 @@ def ranks(argv: list, nproc: int, timeout: float = 240, any_script: bool = False
     """`torchrun --standalone --nproc_per_node NPROC ARGV` as its workers see it, forked (see the docstring),
     asserted to exit 0."""
     try:
-        r = prefork.run_ranks([sys.executable, *map(str, argv)], str(ROOT), ENV, nproc, timeout, any_script)
+        r = prefork.run_ranks(
+            [sys.executable, *map(str, argv)], str(ROOT), prefork.PLAIN_ENV, nproc, timeout, any_script
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{argv[0]} hung for {timeout}s\n{(e.stdout or '')[-2000:]}\n{(e.stderr or '')[-3000:]}")
     assert r.returncode == 0, f"{argv[0]} exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
@@ -68,7 +70,7 @@ def data(tmp_path_factory):
         ["encode", "--tokenizer", d / "tok", "--corpus", *CORPUS, "--val-corpus", VAL, "--out", d / "shards"],
     ):
         argv = [sys.executable, "tokenize.py", *map(str, args), "--no-progress"]
-        r = prefork.run(argv, str(ROOT), ENV, timeout=120)
+        r = prefork.run(argv, str(ROOT), prefork.PLAIN_ENV, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
     return ["--tokenizer", d / "tok", "--data", d / "shards", *FLAGS]
 

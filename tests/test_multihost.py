@@ -248,22 +248,11 @@ def _weights(model_dir: Path) -> dict:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-# Nothing from a SageMaker or torchrun environment of the caller: it would change train.py's defaults. Taken when the
-# module is imported, as test_train.py's ENV is (the same variables, so the same prefork server), before a test's
-# fixture sets the AWS variables of moto's mock, which a local run does not read.
-PLAIN_ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-}
-PLAIN_ENV["OMP_NUM_THREADS"] = "1"
-
-
 def _one_process(argv: list[str], out: Path, shards: str, tokenizer: str) -> Path:
     """`train.py ARGV` as one plain process on this machine (no container, no torchrun): its out dir."""
     # A fork of tests/prefork.py's server, which imported torch once (test_train.py's one-process runs share it).
     argv = [sys.executable, "train.py", *argv, "--data", shards, "--tokenizer", tokenizer, "--out", str(out)]
-    r = prefork.run([*argv, "--checkpoint-dir", str(out / "checkpoints")], str(ROOT), PLAIN_ENV, timeout=300)
+    r = prefork.run([*argv, "--checkpoint-dir", str(out / "checkpoints")], str(ROOT), prefork.PLAIN_ENV, timeout=300)
     assert r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return out
 

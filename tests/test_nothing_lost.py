@@ -11,7 +11,6 @@ names in `changes` (a run that must succeed writes its output). One set-up (a 40
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,9 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -859,11 +855,9 @@ ROWS = [
 # ---------------------------------------------------------------- running the rows
 
 
-def _run(cmd: str, runner: Prefork | None = None, **paths) -> None:
-    argv, env = _argv(cmd.format(**paths)), _clean_env()
-    p = runner.run(argv, ROOT, env, ROW_TIMEOUT) if runner else subprocess.run(
-        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=ROW_TIMEOUT
-    )  # fmt: skip
+def _run(cmd: str, runner: Prefork, **paths) -> None:
+    argv = _argv(cmd.format(**paths))
+    p = runner.run(argv, ROOT, _clean_env(), ROW_TIMEOUT)
     assert p.returncode == 0, f"fixture failed: {shlex.join(argv)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
 
 
@@ -890,7 +884,7 @@ def fx(tmp_path_factory, runner) -> dict:
     return p | {"runner": runner}
 
 
-def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Result:
+def run_row(row: Row, fx: dict, base: str, runner: Prefork) -> Result:
     w = os.path.join(base, row.id)
     os.makedirs(w)
     paths = {**fx, "W": w}
@@ -900,88 +894,16 @@ def run_row(row: Row, fx: dict, base: str, runner: Prefork | None = None) -> Res
     env = {k: v.replace("{W}", w) for k, v in row.env.items()}  # a row's own dir in a variable (SM_MODEL_DIR)
     r = Result(row, paths, argv)
     r.before = tree(w)
+    act = None  # what a signalled row does once its stdout holds row.after: send the signal, or change an input
     if row.signal or row.during:
         act = (lambda pid: row.during(paths)) if row.during else (lambda pid: os.kill(pid, row.signal))
-        r.rc, r.stdout, r.stderr = run_signalled(argv, {**_clean_env(), **env}, act, row.after, runner)
-        r.after = tree(w)
-        return r
-    try:
-        if runner is not None:  # a fork where the row is `python X.py` with no environment of its own
-            p = runner.run(argv, ROOT, {**_clean_env(), **env}, ROW_TIMEOUT)
-        else:
-            p = subprocess.run(
-                argv,
-                cwd=ROOT,
-                env={**_clean_env(), **env},
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=ROW_TIMEOUT,
-                stdin=subprocess.DEVNULL,
-            )
+    try:  # a fork where the row is `python X.py` with no environment of its own, else a subprocess
+        p = runner.run(argv, ROOT, {**_clean_env(), **env}, ROW_TIMEOUT, row.after, act)
         r.rc, r.stdout, r.stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
-        r.rc, r.stderr = None, f"{e.stderr or ''}\n(timed out)"
+        r.rc, r.stdout, r.stderr = None, e.stdout or "", f"{e.stderr or ''}\n(timed out)"
     r.after = tree(w)
     return r
-
-
-def run_signalled(
-    argv: list[str], env: dict, act: Callable[[int], None], after: str, runner: Prefork | None = None
-) -> tuple[int | None, str, str]:
-    """Run `argv`, call `act(pid)` once its stdout holds `after` (it sends a signal, or changes an input), and
-    return (exit code, stdout, stderr). A fork of `runner` where the row is `python X.py` with no environment of its
-    own (its stdout a file, read as it grows), else a subprocess (its stdout a pipe).
-
-    SIGINT is given its default action in the child (Prefork's children get it too), so that Python turns it into
-    Ctrl-C's KeyboardInterrupt even where the test runs in a shell's background job, which ignores it."""
-    if runner is not None and runner.forks(argv, ROOT, env):
-        with tempfile.TemporaryDirectory(prefix="signalled-") as tmp:
-            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            job = runner.start(argv, ROOT, env, out, err)
-            deadline, seen = time.monotonic() + ROW_TIMEOUT, ""
-            with open(out, encoding="utf-8", errors="replace") as f:
-                while time.monotonic() < deadline:
-                    ended = job.event.is_set()
-                    seen += f.read()
-                    if ended or after in seen:
-                        break
-                    time.sleep(0.005)
-            if after in seen and not job.event.is_set():
-                with contextlib.suppress(ProcessLookupError):  # it ended just now: as Popen.send_signal, nothing
-                    act(job.pid)
-            try:
-                job.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):  # it ended just now
-                    os.kill(job.pid, signal.SIGKILL)
-            with open(out, encoding="utf-8", errors="replace") as o, open(err, encoding="utf-8", errors="replace") as e:
-                return job.wait(30), o.read(), e.read()
-    with tempfile.TemporaryFile("w+", errors="replace") as err:
-        p = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        watchdog = threading.Timer(ROW_TIMEOUT, p.kill)
-        watchdog.start()
-        lines = []
-        for line in p.stdout:
-            lines.append(line)
-            if after in line:
-                act(p.pid)
-                break
-        rest = p.stdout.read()
-        p.wait()
-        watchdog.cancel()
-        err.seek(0)
-        return p.returncode, "".join(lines) + rest, err.read()
 
 
 @pytest.fixture(scope="module")
@@ -1050,7 +972,7 @@ FULL_DISK = Row(
 
 @pytest.mark.skipif(not _tmpfs_works(), reason="needs root and `unshare -m` to mount a small tmpfs")
 def test_a_full_disk_at_export_is_one_line_naming_the_path_and_the_free_space(fx, tmp_path):
-    r = run_row(FULL_DISK, fx, str(tmp_path))
+    r = run_row(FULL_DISK, fx, str(tmp_path), fx["runner"])
     check_row(FULL_DISK, r)
     assert re.search(r"; [\d.]+ [KMG]i?B free there\)$", r.stderr.strip().splitlines()[-1]), r.explain()
 

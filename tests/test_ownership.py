@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import prefork  # tests/prefork.py (pytest puts this folder on sys.path too)
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -140,14 +141,13 @@ def test_ctrl_c_publishes_the_written_checkpoint_and_exits_130_in_one_line(
     ]
     cmd += ["--steps", "100000", "--seq-len", "32", "--global-batch", "2", "--eval-batches", "1"]
     cmd += ["--checkpoint-every", "4", "--log-every", "1", "--device", "cpu", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("checkpoint step=4"):
-            break
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=120)
+
+    def ctrl_c(pid: int) -> None:  # half a second after the first save: inside a later step
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGINT)
+
+    proc = prefork.run(cmd, str(ROOT), prefork.PLAIN_ENV, 240, "\ncheckpoint step=4 ", ctrl_c)
+    rest, err = proc.stdout, proc.stderr
     assert proc.returncode == 130, err
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("train.py: error: interrupted after step "), err
@@ -250,7 +250,7 @@ def test_a_malformed_owner_record_is_one_error_naming_the_marker(tmp_path, owner
 def _train(out, *extra, tok, data):
     cmd = [sys.executable, "train.py", "--phase", "2", "--tokenizer", tok, "--data", data, "--steps", "1"]
     cmd += ["--seq-len", "32", "--global-batch", "2", "--eval-batches", "1", "--device", "cpu", "--out", str(out)]
-    return subprocess.run([*cmd, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return prefork.run([*cmd, *extra], str(ROOT), prefork.PLAIN_ENV, timeout=300)
 
 
 def test_a_checkpoint_dir_inside_another_output_or_locked_by_another_run_is_refused(
@@ -274,14 +274,14 @@ def test_tokenize_refuses_an_out_inside_its_corpus_dir_and_a_report_inside_an_ou
     corpus.mkdir()
     _write(corpus / "a.txt", "Salam dünya.\nBu bir cümlədir.\n" * 50)
     tok = [sys.executable, "tokenize.py", "train", "--vocab-size", "300", "--no-progress", "--corpus", str(corpus)]
-    p = subprocess.run([*tok, "--out", str(corpus / "tok")], cwd=ROOT, capture_output=True, text=True)
+    p = prefork.run([*tok, "--out", str(corpus / "tok")], str(ROOT), prefork.PLAIN_ENV, timeout=300)
     assert p.returncode == 2 and "is inside the corpus directory" in p.stderr and os.listdir(corpus) == ["a.txt"]
     rep = [sys.executable, "tokenize.py", "report", "--tokenizer", small_tokenizer_dir, "--corpus", str(corpus)]
     model = tmp_path / "model"
     with staged_output(str(model), stage="hf-model") as tmp:
         _write(os.path.join(tmp, "config.json"), "{}")
     rep += ["--no-progress", "--json", str(model / "r.json")]
-    p = subprocess.run(rep, cwd=ROOT, capture_output=True, text=True)
+    p = prefork.run(rep, str(ROOT), prefork.PLAIN_ENV, timeout=300)
     assert p.returncode == 2 and f"is inside {model}, a stage's output" in p.stderr, p.stderr
     assert sorted(os.listdir(model)) == ["config.json", MARKER]
 

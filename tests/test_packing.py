@@ -3,9 +3,9 @@ each other, RoPE positions that restart, truncation as before, and the choice lo
 
 import json
 import os
-import subprocess
 import sys
 
+import prefork  # tests/prefork.py (pytest puts this folder on sys.path too)
 import pytest
 import torch
 
@@ -158,12 +158,7 @@ def _finetune(base, out, *extra):
     args = ["--model", base, "--data", TRAIN, "--val-fraction", "0", "--out", out, "--steps", "3"]
     args += ["--global-batch", "8", "--micro-batch", "2", "--lora-r", "4", "--lora-dropout", "0", "--lr", "3e-3"]
     args += ["--warmup", "1", "--log-every", "1", "--max-seq-len", "64", "--device", "cpu", *extra]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-    }
-    r = subprocess.run([sys.executable, "finetune.py", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = prefork.run([sys.executable, "finetune.py", *args], ROOT, prefork.PLAIN_ENV, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]

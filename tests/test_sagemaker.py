@@ -18,7 +18,6 @@ import tarfile
 
 import prefork
 import pytest
-import test_train
 from conftest import BUCKET, ROLE  # the mocked account the aws fixture sets up
 
 from minilm_az import config as C
@@ -689,7 +688,7 @@ def train_log(tmp_path_factory, small_tokenizer_dir, container_shards_dir):
     argv = [sys.executable, TRAIN_SCRIPT, "--phase", "2", "--data", container_shards_dir]
     argv += ["--tokenizer", small_tokenizer_dir, "--out", str(out), "--preset", "tiny", "--steps", "4"]
     argv += ["--log-every", "1", "--eval-every", "2", "--seq-len", "64", "--global-batch", "2", "--device", "cpu"]
-    r = prefork.run(argv, str(ROOT), test_train.ENV, timeout=300)
+    r = prefork.run(argv, str(ROOT), prefork.PLAIN_ENV, timeout=300)
     assert r.returncode == 0, f"{argv}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prefork  # tests/prefork.py (pytest puts this folder on sys.path too)
 import pytest
 from conftest import BLOCKER
 
@@ -23,14 +24,8 @@ def test_the_scalars_are_the_metrics_jsonl_records(tmp_path, container_shards_di
 
     out = tmp_path / "run"
     argv = [*TRAIN.split(), "--no-liger", "--data", container_shards_dir, "--tokenizer", small_tokenizer_dir]
-    r = subprocess.run(
-        [sys.executable, "train.py", *argv, "--out", str(out), "--tensorboard"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argv = [sys.executable, "train.py", *argv, "--out", str(out), "--tensorboard"]
+    r = prefork.run(argv, str(ROOT), prefork.PLAIN_ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()

@@ -36,13 +36,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [str(ROOT / "data" / "az" / f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
 VAL = str(ROOT / "data" / "az" / "firefox.txt")
-# No SageMaker or torchrun variables from the caller: they would change the defaults under test.
-ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith("SM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-}
-ENV["OMP_NUM_THREADS"] = "1"
 SMALL = [
     "--preset",
     "tiny",
@@ -78,7 +71,7 @@ def launch(*args, nproc: int = 1) -> subprocess.Popen:
     return subprocess.Popen(
         cmd(*args, nproc=nproc),
         cwd=ROOT,
-        env=ENV,
+        env=prefork.PLAIN_ENV,
         text=True,
         start_new_session=True,
         stdout=subprocess.PIPE,
@@ -106,7 +99,7 @@ def finish(p: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedPro
 def run_one(*args, timeout: float = 180) -> subprocess.CompletedProcess:
     """`python train.py ARGS` run to its end (no signal to send it): a fork of tests/prefork.py's server."""
     try:
-        return prefork.run(cmd(*args), str(ROOT), ENV, timeout)
+        return prefork.run(cmd(*args), str(ROOT), prefork.PLAIN_ENV, timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"train.py hung for {timeout}s\n{(e.stdout or '')[-2000:]}\n{(e.stderr or '')[-2000:]}")
 
@@ -168,7 +161,7 @@ def data(tmp_path_factory):
 
     def tokenize(*args):  # forks of the server run_one's train.py runs fork from
         argv = [sys.executable, "tokenize.py", *map(str, args), "--no-progress"]
-        r = prefork.run(argv, str(ROOT), ENV, timeout=180)
+        r = prefork.run(argv, str(ROOT), prefork.PLAIN_ENV, timeout=180)
         assert r.returncode == 0, f"{shlex.join(argv)}\n{r.stderr[-3000:]}"
 
     tokenize("train", "--corpus", *CORPUS, "--vocab-size", "1000", "--out", d / "tok")
