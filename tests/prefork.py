@@ -330,37 +330,58 @@ def _server(env: dict) -> Prefork:
         return _SERVERS[key]
 
 
+class TimedOut(subprocess.TimeoutExpired):
+    """subprocess.TimeoutExpired (str stdout and stderr) whose message ends with the command's last output, so that
+    a test that lets it through still says where the command hung."""
+
+    def __str__(self) -> str:
+        tails = f"--- stdout (tail)\n{self.stdout[-2000:]}\n--- stderr (tail)\n{self.stderr[-3000:]}"
+        return f"{super().__str__()}\n{tails}"
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
 def _follow(
     argv: list[str], job: _Job | subprocess.Popen, out: str, err: str, timeout: float, after: str, act: Act | None
 ) -> subprocess.CompletedProcess:
     """Wait for `job`, which writes to the files `out` and `err`, and read them. With `act`, read stdout as it grows
     and call `act(pid)` once it holds `after` (a test sends a signal, or changes an input mid-run), unless the job
-    ended first. Past the timeout the job is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    ended first. Past the timeout the job is killed and TimedOut raised, as subprocess.run raises TimeoutExpired;
+    so is it when `act` (or anything here) raises, so that no command outlives its caller."""
+    assert act is None or after, "act needs the text to wait for"
 
     def read(p):
         with open(p, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    deadline = time.monotonic() + timeout
-    if act is not None:
-        with open(out, encoding="utf-8", errors="replace") as f:
-            seen = ""
-            while time.monotonic() < deadline:
-                ended = job.poll() is not None
-                seen += f.read()
-                if after in seen and not ended:
-                    with contextlib.suppress(ProcessLookupError):  # it ended just now: as Popen.send_signal, nothing
-                        act(job.pid)
-                if after in seen or ended:
-                    break
-                time.sleep(0.005)
-    try:
-        code = job.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    def kill() -> None:
         with contextlib.suppress(ProcessLookupError):  # it ended just now
             os.kill(job.pid, signal.SIGKILL)
         job.wait(30)
-        raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err)) from None
+
+    deadline = time.monotonic() + timeout
+    try:
+        if act is not None:
+            with open(out, encoding="utf-8", errors="replace") as f:
+                seen = ""
+                while time.monotonic() < deadline:
+                    ended = job.poll() is not None
+                    seen += f.read()
+                    if after in seen and not ended:
+                        with contextlib.suppress(ProcessLookupError):  # it ended just now: as Popen.send_signal
+                            act(job.pid)
+                    if after in seen or ended:
+                        break
+                    time.sleep(0.005)
+        code = job.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        kill()
+        raise TimedOut(argv, timeout, read(out), read(err)) from None
+    except BaseException:
+        kill()
+        raise
     return subprocess.CompletedProcess(argv, code, read(out), read(err))
 
 
@@ -375,10 +396,13 @@ def _subprocess_run(
 ) -> subprocess.CompletedProcess:
     """`run` for a command that does not fork: subprocess.run, or with `act` a Popen followed as a fork is."""
     if act is None:
-        return subprocess.run(
-            argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        try:
+            return subprocess.run(
+                argv, cwd=cwd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as e:  # its output is bytes here, text=True or not
+            raise TimedOut(argv, timeout, _text(e.stdout), _text(e.stderr)) from None
     with tempfile.TemporaryDirectory(prefix="prefork-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         with open(out, "wb") as o, open(err, "wb") as e:
@@ -446,7 +470,7 @@ def run_ranks(
                 return f.read()
 
         if not any(codes) and None in codes:
-            raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
+            raise TimedOut(argv, timeout, read(out), read(err))
         code = next((c for c in codes if c), 0)
         return subprocess.CompletedProcess(argv, code, read(out), read(err))
 

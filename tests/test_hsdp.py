@@ -13,7 +13,7 @@ same steps as one run of 6.
 
 Every job's ranks are forks of one interpreter that imported torch once (tests/prefork.py's `run_ranks`), with the
 environment torchrun gives its workers: what is under test is HSDP's numbers, not the launcher (test_train.py's
-FSDP test and test_multihost.py's hosts start real torchruns), and each of the ~30 processes here would otherwise
+SIGTERM test and test_multihost.py's hosts start real torchruns), and each of the ~30 processes here would otherwise
 pay ~3 s of CPU for its imports on CI's two cores.
 """
 

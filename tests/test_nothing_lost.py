@@ -901,7 +901,7 @@ def run_row(row: Row, fx: dict, base: str, runner: Prefork) -> Result:
         p = runner.run(argv, ROOT, {**_clean_env(), **env}, ROW_TIMEOUT, row.after, act)
         r.rc, r.stdout, r.stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
-        r.rc, r.stdout, r.stderr = None, e.stdout or "", f"{e.stderr or ''}\n(timed out)"
+        r.rc, r.stdout, r.stderr = None, e.stdout, f"{e.stderr}\n(timed out)"  # prefork's TimedOut: str, not bytes
     r.after = tree(w)
     return r
 

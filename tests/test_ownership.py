@@ -147,12 +147,12 @@ def test_ctrl_c_publishes_the_written_checkpoint_and_exits_130_in_one_line(
         os.kill(pid, signal.SIGINT)
 
     proc = prefork.run(cmd, str(ROOT), prefork.PLAIN_ENV, 240, "\ncheckpoint step=4 ", ctrl_c)
-    rest, err = proc.stdout, proc.stderr
+    stdout, err = proc.stdout, proc.stderr
     assert proc.returncode == 130, err
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("train.py: error: interrupted after step "), err
-    assert "Traceback" not in err + rest
-    assert re.search(r"^stop requested: finishing step \d+, then stopping", rest, re.M), rest[-2000:]
+    assert "Traceback" not in err + stdout
+    assert re.search(r"^stop requested: finishing step \d+, then stopping", stdout, re.M), stdout[-2000:]
     ckpt = out / "checkpoints" / "phase2"
     names = step_dirs(str(ckpt))
     assert names and names[0] in lines[0] and check(str(ckpt / names[0])) is None

@@ -4,7 +4,8 @@ eval-only, and the one-line errors (exit 2) for bad input.
 
 One uninterrupted reference run serves several tests; the error cases run side by side. A run of one process that
 is not signalled runs in a fork of an interpreter that imported torch once (tests/prefork.py): its own process,
-argv, environment, exit code and output all the same.
+argv, environment, exit code and output all the same; so do the two ranks of the FSDP test, without torchrun's
+agent (the SIGTERM test runs a real torchrun).
 """
 
 import concurrent.futures
