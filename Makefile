@@ -56,7 +56,7 @@ report: $(SETUP)  ## rewrite runs/$(NAME)/report.md and its plots from what the 
 	$(PYTHON) -m demo.report runs/$(NAME)
 
 # -n 2: two pytest-xdist workers (tests/conftest.py groups the tests so a module's fixtures are built once).
-test: $(SETUP)  ## the whole suite (GPU tests skip without CUDA), ~10 min on 2 cores (pytest -n 2)
+test: $(SETUP)  ## the whole suite (GPU tests skip without CUDA), ~10-16 min on 2 cores (pytest -n 2)
 	$(PYTHON) -m pytest -q -ra -n 2
 
 lint: $(SETUP)  ## ruff check and ruff format --check, as CI runs them
