@@ -41,7 +41,7 @@ def pytest_configure(config):
 
     for name in ("minilm_az", "demo", "tests"):
         compileall.compile_dir(str(ROOT / name), quiet=2)
-    for script in ("train.py", "tokenize.py", "finetune.py", "sm_entry.py"):
+    for script in (*prefork.SCRIPTS, "sm_entry.py"):  # the root scripts, and the SageMaker entry point
         compileall.compile_file(str(ROOT / script), quiet=2)
 
 
