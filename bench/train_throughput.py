@@ -20,6 +20,7 @@ coordinate-descent tuning of its kernels, `_autotune` = that + max-autotune (Tri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -112,12 +113,14 @@ def build_ours(
     flce_chunk_mem: int | None = None,
     optimizer: str = "fused",
     whole: bool = False,
+    head: str = "flce",
     **fp8_opts,
 ):
     """Our model and step. Levers (each a row's suffix): `attention` (set_attention), `flce_chunk_mem` (Liger's
     FLCE chunk sizing, kernels.FLCE_CHUNK_MEM), `optimizer` (AdamW fused, foreach, or `compiled`: clip + AdamW
     in one torch.compile), `whole` (the trunk, embedding to final norm, compiled as one function instead of
-    each block; the head's fused cross-entropy stays outside, as per block)."""
+    each block; the head's fused cross-entropy stays outside, as per block), `head` (`flce`: Liger's fused linear
+    cross-entropy; `logits` or `fp8`: see `full_logits_loss`)."""
     # Read when the ops are selected, just below; None keeps the library's default.
     kernels.FLCE_CHUNK_MEM = FLCE_DEFAULT if flce_chunk_mem is None else flce_chunk_mem
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
@@ -148,7 +151,33 @@ def build_ours(
     materialize(model, device, seed=0)
     if whole and compile:  # one graph from the token ids to the final norm (FSDP's hooks may split it)
         model.hidden_states = torch.compile(model.hidden_states)
+    if head != "flce":
+        model.ops = dataclasses.replace(model.ops, linear_cross_entropy=full_logits_loss(cfg, head == "fp8", compile))
     return model, train_step(model, lambda x, y: model(x, targets=y), device, ag, optimizer)
+
+
+def full_logits_loss(cfg, fp8: bool, compile: bool, emulate: bool = False):
+    """The loss as torchtitan computes it: the whole (tokens, vocab) logits, then a compiled cross-entropy, instead
+    of Liger's fused kernel that never holds them. With `fp8` the head's three GEMMs (logits, the input's gradient,
+    the weight's) run in float8 with torchao's tensorwise scaling, the blocks' recipe (torchtitan keeps its head in
+    bf16). It takes the weight it is called with, the tied weight FSDP has gathered for this step, so the float8
+    matmul is called directly rather than through a Float8Linear module that would hold the sharded parameter."""
+    import torch.nn.functional as F
+
+    mm = None
+    if fp8:
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=emulate)
+        layout = Float8Linear(cfg.dim, cfg.vocab_size, bias=False, config=config, device="meta")  # its GEMM configs
+        mm = lambda h, w: matmul_with_hp_or_float8_args.apply(h, w.t(), layout.linear_mm_config, config)  # noqa: E731
+
+    def loss(h, w, targets, reduction="mean", ignore_index=-100):
+        logits = mm(h, w) if mm else h @ w.t()
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+    return torch.compile(loss) if compile else loss
 
 
 def train_step(model, loss_fn, device, fp8_all_gather: bool = False, optimizer: str = "fused"):
@@ -239,6 +268,8 @@ LEVERS = {
     "kg": {"keep_gathered": True},
     "cdt": {"cdt": True},
     "fa": {"fast_accum": True},
+    "logits": {"head": "logits"},  # the full logits and a compiled cross-entropy (torchtitan's loss), bf16
+    "fp8head": {"head": "fp8"},  # the same with the head's GEMMs in float8 (full_logits_loss)
 }
 BASES = {"ours_liger_compile": {}, "ours_fp8_tensorwise": {"fp8": "tensorwise"}}
 
