@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50, help="steps per window of the mean-loss table")
     p.add_argument("--quick", action="store_true", help="bf16 only, no compile: checks the script on CPU")
     p.add_argument("--fast-accum", action="store_true", help="a third run: tensorwise with --fp8-fast-accum")
+    p.add_argument("--head", action="store_true", help="another run: tensorwise with --fp8-head")
     args = p.parse_args()
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
@@ -77,6 +78,8 @@ def main() -> None:
     recipes = {"none": ["--fp8", "none"], "tensorwise": ["--fp8", "tensorwise"]}
     if args.fast_accum:
         recipes["tensorwise_fast"] = ["--fp8", "tensorwise", "--fp8-fast-accum"]
+    if args.head:
+        recipes["tensorwise_head"] = ["--fp8", "tensorwise", "--fp8-head"]
     if args.quick:
         recipes = {"none": recipes["none"]}
     common = ["--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len), "--log-every", "1"]

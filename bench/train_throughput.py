@@ -139,6 +139,7 @@ def build_ours(
         fp8=fp8,
         fp8_all_gather=ag,
         fp8_fast_accum=bool(fp8_opts.get("fast_accum")),
+        fp8_head=bool(fp8_opts.get("fp8_head")),
         reshard_after_forward=reshard,
     )
     if fp8_opts.get("cudnn"):  # SDPA's cuDNN attention instead of flash (run_row resets it)
@@ -269,7 +270,8 @@ LEVERS = {
     "cdt": {"cdt": True},
     "fa": {"fast_accum": True},
     "logits": {"head": "logits"},  # the full logits and a compiled cross-entropy (torchtitan's loss), bf16
-    "fp8head": {"head": "fp8"},  # the same with the head's GEMMs in float8 (full_logits_loss)
+    "fp8logits": {"head": "fp8"},  # the same with the head's GEMMs in float8 (full_logits_loss)
+    "fp8head": {"fp8_head": True},  # train.py --fp8-head: float8 head GEMMs, chunked (float8 bases only)
 }
 BASES = {"ours_liger_compile": {}, "ours_fp8_tensorwise": {"fp8": "tensorwise"}}
 

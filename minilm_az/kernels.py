@@ -102,6 +102,52 @@ def chunked_linear_cross_entropy(
     return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk, torch.is_grad_enabled())
 
 
+def float8_linear_cross_entropy(config, rows: int = 8192) -> Callable:
+    """`linear_cross_entropy` with the head's three GEMMs (the logits, the gradients of h and of w) in float8,
+    scaled as torchao's `config` says (--fp8-head). It walks `rows` rows at a time with the gradients formed in the
+    forward, as `_ChunkedLinearCE` does, so one chunk's logits exist at a time; each chunk's backward is torchao's
+    float8 backward, which autograd runs inside this forward. bench/RESULTS.md (issue 39) has what it pays."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    gemms = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config  # the GEMMs' settings
+
+    @torch.compile  # the cast, the GEMM's epilogue and the cross-entropy as few kernels as Inductor can make them
+    def chunk_nll(h, w, targets, ignore_index: int):
+        logits = matmul_with_hp_or_float8_args.apply(h, w.t(), gemms, config)
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+    class Float8LinearCE(_ChunkedLinearCE):  # the same backward: scale the gradients the forward stored
+        @staticmethod
+        def forward(ctx, h, w, targets, ignore_index: int, reduction: str, chunk: int, grad_enabled: bool):
+            n_valid = int((targets != ignore_index).sum())
+            scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+            need = [grad_enabled and ctx.needs_input_grad[i] for i in (0, 1)]
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            grad_h = torch.empty_like(h) if need[0] else None
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[1] else None
+            w = w.detach().requires_grad_(need[1])
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s : s + chunk].detach().requires_grad_(need[0])
+                with torch.set_grad_enabled(any(need)):  # grad mode is off in a Function's forward
+                    nll = chunk_nll(hc, w, targets[s : s + chunk], ignore_index)
+                    wanted = [x for x, n in zip((hc, w), need) if n]
+                    grads = iter(torch.autograd.grad(nll, wanted, nll.new_tensor(scale)) if wanted else ())
+                total += nll.detach()
+                if need[0]:
+                    grad_h[s : s + chunk] = next(grads)
+                if need[1]:
+                    grad_w += next(grads)
+            ctx.save_for_backward(grad_h, grad_w.to(w.dtype) if need[1] else None)
+            return total * scale
+
+    def loss(h, w, targets, reduction: str = "mean", ignore_index: int = -100):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        return Float8LinearCE.apply(h, w, targets, ignore_index, reduction, rows, torch.is_grad_enabled())
+
+    return loss
+
+
 @dataclass(frozen=True)
 class Ops:
     name: str

@@ -45,6 +45,8 @@ def test_fp8_refused_where_it_cannot_run(recipe, all_gather, compile, device, fr
     assert parallel.check_fp8("none", "auto", False, device, 1) is False
     with pytest.raises(ValueError, match="--fp8-fast-accum needs --fp8"):  # a switch that would do nothing
         parallel.check_fp8("none", "auto", False, device, 1, fast_accum=True)
+    with pytest.raises(ValueError, match="--fp8-head needs --fp8"):
+        parallel.check_fp8("none", "auto", False, device, 1, head=True)
 
 
 # ---------------------------------------------------------------- GPU
@@ -59,9 +61,12 @@ def group():
     return parallel.setup("cuda")
 
 
-def _model(fp8: str = "none", all_gather: bool = False, seed: int = 0, cfg: ModelConfig = FP8, fast: bool = False):
+def _model(
+    fp8: str = "none", all_gather: bool = False, seed: int = 0, cfg: ModelConfig = FP8, fast: bool = False, head=False
+):
     m = meta_model(cfg)
-    parallel.parallelize(m, mixed_precision=True, fp8=fp8, fp8_all_gather=all_gather, fp8_fast_accum=fast)
+    opts = dict(fp8_all_gather=all_gather, fp8_fast_accum=fast, fp8_head=head)
+    parallel.parallelize(m, mixed_precision=True, fp8=fp8, **opts)
     return materialize(m, DEV, seed=seed)
 
 
@@ -107,6 +112,52 @@ def test_fp8_loss_and_grads_match_bf16_within_float8_tolerance(group, recipe, fa
         # e4m3/e5m2 rounding (measured 13.7 dB on q_proj at init, where its grads are small); a wrong or
         # missing gradient would be at 0 dB or below.
         assert sqnr > 10, f"{name}: SQNR {sqnr:.1f} dB against bf16"
+
+
+@pytest.mark.gpu
+def test_fp8_head_matches_the_bf16_head_within_float8_tolerance(group):
+    """--fp8-head against the same float8 blocks with the bf16 head (Liger's fused cross-entropy where installed):
+    the loss, the summed loss without gradients (evaluation), and the gradients of the tied weight and of a block;
+    then the chunked kernel alone against the exact one, over chunks of uneven sizes with ignored targets."""
+    from torchao.float8 import Float8LinearConfig
+
+    from minilm_az.kernels import chunked_linear_cross_entropy, float8_linear_cross_entropy
+
+    x = _batch()
+    out = {}
+    for head in (False, True):
+        m = _model("tensorwise", head=head)
+        assert m.ops.name.endswith("+fp8_head") == head
+        loss = m(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+        with torch.no_grad():
+            total = float(m(x[:, :-1], targets=x[:, 1:], reduction="sum"))
+        out[head] = float(loss), total, {n: p.grad.full_tensor().float() for n, p in m.named_parameters()}
+    (l_ref, sum_ref, g_ref), (l_fp8, sum_fp8, g_fp8) = out[False], out[True]
+    assert abs(l_fp8 - l_ref) < 1e-2 * l_ref and abs(sum_fp8 - sum_ref) < 1e-2 * sum_ref
+    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+        a, b = g_fp8[name], g_ref[name]
+        sqnr = 20 * torch.log10(b.norm() / (a - b).norm())
+        assert sqnr > 10, f"{name}: SQNR {sqnr:.1f} dB against the bf16 head"
+
+    g = torch.Generator(DEV).manual_seed(2)
+    h = torch.randn(1300, 256, device=DEV, generator=g, dtype=torch.bfloat16).requires_grad_()
+    w = (0.05 * torch.randn(4096, 256, device=DEV, generator=g, dtype=torch.bfloat16)).requires_grad_()
+    t = torch.randint(0, 4096, (1300,), device=DEV, generator=g)
+    t[::7] = -100
+    grads = {}
+    for name, fn in (
+        ("exact", chunked_linear_cross_entropy),
+        ("fp8", float8_linear_cross_entropy(Float8LinearConfig.from_recipe_name("tensorwise"), rows=512)),
+    ):
+        h.grad = w.grad = None
+        loss = fn(h.float() if name == "exact" else h, w.float() if name == "exact" else w, t)
+        loss.backward()
+        grads[name] = float(loss), h.grad.float(), w.grad.float()
+    (l0, gh0, gw0), (l1, gh1, gw1) = grads["exact"], grads["fp8"]
+    assert abs(l1 - l0) < 1e-2 * l0
+    for a, b in ((gh1, gh0), (gw1, gw0)):
+        assert 20 * torch.log10(b.norm() / (a - b).norm()) > 15  # e4m3/e5m2 rounding; a wrong chunk is ~0 dB
 
 
 @pytest.mark.gpu
