@@ -38,7 +38,7 @@ from minilm_az.kernels import select_ops  # noqa: E402
 from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
 
 PEAK = 989e12
-FLCE_DEFAULT = kernels.FLCE_CHUNK_MEM
+FLCE_DEFAULT, FP8_HEAD_DEFAULT = kernels.FLCE_CHUNK_MEM, kernels.FP8_HEAD_ROWS
 SEQ = 2048  # the sequence length of this run (main sets it); FlexAttention's causal mask is built for it
 
 
@@ -123,6 +123,7 @@ def build_ours(
     cross-entropy; `logits` or `fp8`: see `full_logits_loss`)."""
     # Read when the ops are selected, just below; None keeps the library's default.
     kernels.FLCE_CHUNK_MEM = FLCE_DEFAULT if flce_chunk_mem is None else flce_chunk_mem
+    kernels.FP8_HEAD_ROWS = fp8_opts.get("fp8_head_rows", FP8_HEAD_DEFAULT)
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
@@ -272,6 +273,8 @@ LEVERS = {
     "logits": {"head": "logits"},  # the full logits and a compiled cross-entropy (torchtitan's loss), bf16
     "fp8logits": {"head": "fp8"},  # the same with the head's GEMMs in float8 (full_logits_loss)
     "fp8head": {"fp8_head": True},  # train.py --fp8-head: float8 head GEMMs, chunked (float8 bases only)
+    "rows16k": {"fp8_head_rows": 16384},  # with +fp8head: chunks of up to 16,384 rows (kernels.FP8_HEAD_ROWS)
+    "rows4k": {"fp8_head_rows": 4096},
 }
 BASES = {"ours_liger_compile": {}, "ours_fp8_tensorwise": {"fp8": "tensorwise"}}
 

@@ -102,7 +102,11 @@ def chunked_linear_cross_entropy(
     return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk, torch.is_grad_enabled())
 
 
-def float8_linear_cross_entropy(config, rows: int = 8192) -> Callable:
+# Rows of one chunk of the float8 head: a (rows, vocab) bf16 logits block and its gradient live at a time.
+FP8_HEAD_ROWS = 8192
+
+
+def float8_linear_cross_entropy(config, rows: int | None = None) -> Callable:
     """`linear_cross_entropy` with the head's three GEMMs (the logits, the gradients of h and of w) in float8,
     scaled as torchao's `config` says (--fp8-head). It walks `rows` rows at a time with the gradients formed in the
     forward, as `_ChunkedLinearCE` does, so one chunk's logits exist at a time; each chunk's backward is torchao's
@@ -110,6 +114,7 @@ def float8_linear_cross_entropy(config, rows: int = 8192) -> Callable:
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
     gemms = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config  # the GEMMs' settings
+    rows = rows or FP8_HEAD_ROWS
 
     @torch.compile  # the cast, the GEMM's epilogue and the cross-entropy as few kernels as Inductor can make them
     def chunk_nll(h, w, targets, ignore_index: int):
@@ -126,7 +131,10 @@ def float8_linear_cross_entropy(config, rows: int = 8192) -> Callable:
             grad_h = torch.empty_like(h) if need[0] else None
             grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[1] else None
             w = w.detach().requires_grad_(need[1])
-            for s in range(0, h.shape[0], chunk):
+            n = h.shape[0]
+            k = -(-n // chunk)  # chunks of at most `chunk` rows, all of one size where n allows: one compiled shape
+            chunk = next((n // j for j in range(k, 2 * k + 1) if n % j == 0), chunk)
+            for s in range(0, n, chunk):
                 hc = h[s : s + chunk].detach().requires_grad_(need[0])
                 with torch.set_grad_enabled(any(need)):  # grad mode is off in a Function's forward
                     nll = chunk_nll(hc, w, targets[s : s + chunk], ignore_index)

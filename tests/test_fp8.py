@@ -130,9 +130,11 @@ def test_fp8_head_matches_the_bf16_head_within_float8_tolerance(group):
         assert m.ops.name.endswith("+fp8_head") == head
         loss = m(x[:, :-1], targets=x[:, 1:])
         loss.backward()
+        assert not [n for n, p in m.named_parameters() if p.grad is None], f"no gradient (fp8 head: {head})"
+        grads = {n: p.grad.full_tensor().float() for n, p in m.named_parameters()}
         with torch.no_grad():
             total = float(m(x[:, :-1], targets=x[:, 1:], reduction="sum"))
-        out[head] = float(loss), total, {n: p.grad.full_tensor().float() for n, p in m.named_parameters()}
+        out[head] = float(loss.detach()), total, grads
     (l_ref, sum_ref, g_ref), (l_fp8, sum_fp8, g_fp8) = out[False], out[True]
     assert abs(l_fp8 - l_ref) < 1e-2 * l_ref and abs(sum_fp8 - sum_ref) < 1e-2 * sum_ref
     for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
