@@ -127,25 +127,28 @@ def float8_linear_cross_entropy(config, rows: int | None = None) -> Callable:
             n_valid = int((targets != ignore_index).sum())
             scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
             need = [grad_enabled and ctx.needs_input_grad[i] for i in (0, 1)]
+            n, pad = h.shape[0], -h.shape[0] % 16  # the weight's gradient sums over rows: float8 takes 16s
+            if pad:  # zero rows with ignored targets add nothing to the loss or to the gradients
+                h, targets = F.pad(h, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=ignore_index)
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(h) if need[0] else None
             grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[1] else None
             w = w.detach().requires_grad_(need[1])
-            n = h.shape[0]
-            k = -(-n // chunk)  # chunks of at most `chunk` rows, all of one size where n allows: one compiled shape
-            chunk = next((n // j for j in range(k, 2 * k + 1) if n % j == 0), chunk)
-            for s in range(0, n, chunk):
+            units, k = h.shape[0] // 16, -(-h.shape[0] // chunk)
+            # Chunks of 16-row units, all of one size where the rows allow it (one compiled shape).
+            chunk = 16 * next((units // j for j in range(k, 2 * k + 1) if units % j == 0), max(chunk // 16, 1))
+            for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].detach().requires_grad_(need[0])
                 with torch.set_grad_enabled(any(need)):  # grad mode is off in a Function's forward
                     nll = chunk_nll(hc, w, targets[s : s + chunk], ignore_index)
-                    wanted = [x for x, n in zip((hc, w), need) if n]
+                    wanted = [x for x, want in zip((hc, w), need) if want]
                     grads = iter(torch.autograd.grad(nll, wanted, nll.new_tensor(scale)) if wanted else ())
                 total += nll.detach()
                 if need[0]:
                     grad_h[s : s + chunk] = next(grads)
                 if need[1]:
                     grad_w += next(grads)
-            ctx.save_for_backward(grad_h, grad_w.to(w.dtype) if need[1] else None)
+            ctx.save_for_backward(grad_h[:n] if need[0] else None, grad_w.to(w.dtype) if need[1] else None)
             return total * scale
 
     def loss(h, w, targets, reduction: str = "mean", ignore_index: int = -100):
