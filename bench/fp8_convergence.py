@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="bf16 only, no compile: checks the script on CPU")
     p.add_argument("--fast-accum", action="store_true", help="a third run: tensorwise with --fp8-fast-accum")
     p.add_argument("--head", action="store_true", help="another run: tensorwise with --fp8-head")
+    p.add_argument("--no-bf16", action="store_true", help="no bf16 run: the others against plain tensorwise")
     args = p.parse_args()
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
@@ -82,6 +83,9 @@ def main() -> None:
         recipes["tensorwise_head"] = ["--fp8", "tensorwise", "--fp8-head"]
     if args.quick:
         recipes = {"none": recipes["none"]}
+    elif args.no_bf16:  # phase 1 starts from the bf16 phase-2 model, so this is for phase 2 (--phase1-steps 0)
+        del recipes["none"]
+    ref_run = next(iter(recipes))  # the run the others are compared with
     common = ["--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len), "--log-every", "1"]
     common += ["--seed", "0", "--export-dtype", "bfloat16", "--async-checkpoint", "false"]
     common += [] if args.quick else ["--compile"]
@@ -129,13 +133,13 @@ def main() -> None:
         w = window_means(r["loss"], args.window)
         print(f"{name:22s} " + " ".join(f"{v:7.4f}" for v in w) + f"  {r['val_bpb']:.4f}")
     for phase in phases:
-        ref = results.get(f"phase{phase}_none")
-        for recipe in [r for r in recipes if r != "none"]:
+        ref = results.get(f"phase{phase}_{ref_run}")
+        for recipe in [r for r in recipes if r != ref_run]:
             fp8 = results.get(f"phase{phase}_{recipe}")
             a, b = window_means(ref["loss"], args.window)[-1], window_means(fp8["loss"], args.window)[-1]
             print(
-                f"phase {phase} {recipe}: final-window mean loss bf16 {a:.4f} fp8 {b:.4f} "
-                f"(fp8/bf16 - 1 = {100 * (b / a - 1):+.2f} %); "
+                f"phase {phase} {recipe}: final-window mean loss {ref_run} {a:.4f}, {recipe} {b:.4f} "
+                f"({recipe}/{ref_run} - 1 = {100 * (b / a - 1):+.2f} %); "
                 f"val BPB {ref['val_bpb']:.4f} vs {fp8['val_bpb']:.4f}"
             )
     with open(o("fp8_convergence.json"), "w") as f:
