@@ -69,7 +69,8 @@ def main() -> None:
     args = p.parse_args()
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
-    for tok, vocab, shards in (("tok", 8000, "shards"), ("tok2", 6000, "shards2")):
+    tokenizers = [("tok", 8000, "shards"), ("tok2", 6000, "shards2")][: 2 if args.phase1_steps else 1]
+    for tok, vocab, shards in tokenizers:  # the second is phase 1's new vocabulary
         corpus = ["--corpus", args.corpus, "--no-progress"]
         if not os.path.isfile(o(tok, "tokenizer.json")):
             run("tokenize.py", "train", *corpus, "--vocab-size", str(vocab), "--out", o(tok))
