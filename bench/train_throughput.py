@@ -284,6 +284,12 @@ def lever_builder(name: str, cfg, device, cuda: bool):
     base, *levers = name.split("+")
     if base not in BASES or not all(lever in LEVERS for lever in levers):
         raise ValueError(f"unknown row {name!r}: a base of {sorted(BASES)} and levers of {sorted(LEVERS)}")
+    # Combinations that would run as another row under this name: the float8 head needs float8 blocks, the chunk
+    # sizes need the float8 head, and a full-logits loss would replace it.
+    if "fp8head" in levers and (base != "ours_fp8_tensorwise" or {"logits", "fp8logits"} & set(levers)):
+        raise ValueError(f"{name!r}: +fp8head goes on ours_fp8_tensorwise, without +logits/+fp8logits")
+    if {"rows16k", "rows4k"} & set(levers) and "fp8head" not in levers:
+        raise ValueError(f"{name!r}: +rows16k/+rows4k size the chunks of +fp8head")
     opts = dict(BASES[base])
     for lever in levers:
         opts.update(LEVERS[lever])

@@ -134,20 +134,20 @@ def float8_linear_cross_entropy(config, rows: int | None = None) -> Callable:
             grad_h = torch.empty_like(h) if need[0] else None
             grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[1] else None
             w = w.detach().requires_grad_(need[1])
-            units, k = h.shape[0] // 16, -(-h.shape[0] // chunk)
+            units, k = h.shape[0] // 16, max(-(-h.shape[0] // chunk), 1)
             # Chunks of 16-row units, all of one size where the rows allow it (one compiled shape).
-            chunk = 16 * next((units // j for j in range(k, 2 * k + 1) if units % j == 0), max(chunk // 16, 1))
+            chunk = 16 * max(next((units // j for j in range(k, 2 * k + 1) if units % j == 0), chunk // 16), 1)
             for s in range(0, h.shape[0], chunk):
                 hc = h[s : s + chunk].detach().requires_grad_(need[0])
                 with torch.set_grad_enabled(any(need)):  # grad mode is off in a Function's forward
                     nll = chunk_nll(hc, w, targets[s : s + chunk], ignore_index)
                     wanted = [x for x, want in zip((hc, w), need) if want]
-                    grads = iter(torch.autograd.grad(nll, wanted, nll.new_tensor(scale)) if wanted else ())
+                    grads = list(torch.autograd.grad(nll, wanted, nll.new_tensor(scale)) if wanted else ())
                 total += nll.detach()
-                if need[0]:
-                    grad_h[s : s + chunk] = next(grads)
+                if need[0]:  # pop: a chunk's (vocab, dim) gradient must not live on into the next chunk
+                    grad_h[s : s + chunk] = grads.pop(0)
                 if need[1]:
-                    grad_w += next(grads)
+                    grad_w += grads.pop(0)
             ctx.save_for_backward(grad_h[:n] if need[0] else None, grad_w.to(w.dtype) if need[1] else None)
             return total * scale
 

@@ -155,11 +155,15 @@ def test_fp8_head_matches_the_bf16_head_within_float8_tolerance(group):
         h.grad = w.grad = None
         loss = fn(h.float() if name == "exact" else h, w.float() if name == "exact" else w, t)
         loss.backward()
-        grads[name] = float(loss), h.grad.float(), w.grad.float()
-    (l0, gh0, gw0), (l1, gh1, gw1) = grads["exact"], grads["fp8"]
-    assert abs(l1 - l0) < 1e-2 * l0
+        with torch.no_grad():
+            total = float(fn(h.float() if name == "exact" else h, w.float() if name == "exact" else w, t, "sum"))
+        grads[name] = float(loss.detach()), total, h.grad.float(), w.grad.float()
+    (l0, s0, gh0, gw0), (l1, s1, gh1, gw1) = grads["exact"], grads["fp8"]
+    assert abs(l1 - l0) < 1e-2 * l0 and abs(s1 - s0) < 1e-2 * s0
+    assert not gh1[::7].any()  # an ignored target's row gets exactly no gradient: the chunks line up with the rows
     for a, b in ((gh1, gh0), (gw1, gw0)):
-        assert 20 * torch.log10(b.norm() / (a - b).norm()) > 15  # e4m3/e5m2 rounding; a wrong chunk is ~0 dB
+        # e4m3/e5m2 rounding is ~30 dB (2.7 % on the CPU's float8 emulation); one wrong 16-row chunk is under 20.
+        assert 20 * torch.log10(b.norm() / (a - b).norm()) > 25
 
 
 @pytest.mark.gpu
