@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--head", action="store_true", help="another run: tensorwise with --fp8-head")
     p.add_argument("--no-bf16", action="store_true", help="no bf16 run: the others against plain tensorwise")
     args = p.parse_args()
+    if args.no_bf16 and args.phase1_steps:  # phase 1 starts from the bf16 phase-2 model
+        p.error("--no-bf16 needs --phase1-steps 0")
     o = lambda *parts: os.path.join(args.out_dir, *parts)  # noqa: E731
     os.makedirs(args.out_dir, exist_ok=True)
     tokenizers = [("tok", 8000, "shards"), ("tok2", 6000, "shards2")][: 2 if args.phase1_steps else 1]
@@ -84,7 +86,7 @@ def main() -> None:
         recipes["tensorwise_head"] = ["--fp8", "tensorwise", "--fp8-head"]
     if args.quick:
         recipes = {"none": recipes["none"]}
-    elif args.no_bf16:  # phase 1 starts from the bf16 phase-2 model, so this is for phase 2 (--phase1-steps 0)
+    elif args.no_bf16:
         del recipes["none"]
     ref_run = next(iter(recipes))  # the run the others are compared with
     common = ["--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len), "--log-every", "1"]

@@ -144,7 +144,7 @@ def float8_linear_cross_entropy(config, rows: int | None = None) -> Callable:
                     wanted = [x for x, want in zip((hc, w), need) if want]
                     grads = list(torch.autograd.grad(nll, wanted, nll.new_tensor(scale)) if wanted else ())
                 total += nll.detach()
-                if need[0]:  # pop: a chunk's (vocab, dim) gradient must not live on into the next chunk
+                if need[0]:  # pop, so that a chunk's (vocab, dim) weight gradient does not live on into the next
                     grad_h[s : s + chunk] = grads.pop(0)
                 if need[1]:
                     grad_w += grads.pop(0)
