@@ -59,7 +59,7 @@ def resolve(flags: TrainConfig, world: int) -> TrainPlan:
     micro_batch, _ = parallel.split_batch(flags.global_batch, world, flags.micro_batch, largest=14)
     parallel.check_replicate(flags.replicate, world)
     fp8_all_gather = parallel.check_fp8(
-        flags.fp8, flags.fp8_all_gather, flags.compile, flags.device, world, flags.fp8_fast_accum, flags.fp8_head
+        flags.fp8, flags.fp8_all_gather, flags.compile, flags.device, world, flags.fp8_fast_accum
     )
     if not flags.eval_only:  # compared as files: a symlink or a second name of an input is that input
         inputs = ("base_model", "base_tokenizer", "tokenizer", "data")
@@ -125,9 +125,9 @@ def build(plan: TrainPlan, proc: parallel.Process, vocab_size: int, log: MetricL
     if plan.embeddings_only:  # the backbone is frozen: only embeddings (and an untied head) get grads and state
         for name, p in model.named_parameters():
             p.requires_grad_(name in ("model.embed_tokens.weight", "lm_head.weight"))
-    opts = dict(ac=flags.ac, compile=flags.compile, replicate=flags.replicate, fp8=flags.fp8, fp8_head=flags.fp8_head)
-    opts.update(fp8_all_gather=plan.fp8_all_gather, fp8_fast_accum=flags.fp8_fast_accum)
-    parallel.parallelize(model, mixed_precision=proc.device.type == "cuda", **opts)
+    fp8 = dict(fp8=flags.fp8, fp8_all_gather=plan.fp8_all_gather, fp8_fast_accum=flags.fp8_fast_accum)
+    cuda, replicate = proc.device.type == "cuda", flags.replicate
+    parallel.parallelize(model, mixed_precision=cuda, ac=flags.ac, compile=flags.compile, replicate=replicate, **fp8)
     materialize(model, proc.device, seed=flags.seed, init=not flags.base_model)
     if flags.base_model:
         load_weights_into(model, flags.base_model, overrides)

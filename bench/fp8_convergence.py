@@ -64,7 +64,6 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50, help="steps per window of the mean-loss table")
     p.add_argument("--quick", action="store_true", help="bf16 only, no compile: checks the script on CPU")
     p.add_argument("--fast-accum", action="store_true", help="a third run: tensorwise with --fp8-fast-accum")
-    p.add_argument("--head", action="store_true", help="another run: tensorwise with --fp8-head")
     p.add_argument("--no-bf16", action="store_true", help="no bf16 run: the others against plain tensorwise")
     args = p.parse_args()
     if args.no_bf16 and args.phase1_steps:  # phase 1 starts from the bf16 phase-2 model
@@ -82,8 +81,6 @@ def main() -> None:
     recipes = {"none": ["--fp8", "none"], "tensorwise": ["--fp8", "tensorwise"]}
     if args.fast_accum:
         recipes["tensorwise_fast"] = ["--fp8", "tensorwise", "--fp8-fast-accum"]
-    if args.head:
-        recipes["tensorwise_head"] = ["--fp8", "tensorwise", "--fp8-head"]
     if args.quick:
         recipes = {"none": recipes["none"]}
     elif args.no_bf16:

@@ -38,7 +38,7 @@ from minilm_az.kernels import select_ops  # noqa: E402
 from minilm_az.model import get_preset, materialize, meta_model  # noqa: E402
 
 PEAK = 989e12
-FLCE_DEFAULT, FP8_HEAD_DEFAULT = kernels.FLCE_CHUNK_MEM, kernels.FP8_HEAD_ROWS
+FLCE_DEFAULT = kernels.FLCE_CHUNK_MEM
 SEQ = 2048  # the sequence length of this run (main sets it); FlexAttention's causal mask is built for it
 
 
@@ -123,7 +123,6 @@ def build_ours(
     cross-entropy; `logits` or `fp8`: see `full_logits_loss`)."""
     # Read when the ops are selected, just below; None keeps the library's default.
     kernels.FLCE_CHUNK_MEM = FLCE_DEFAULT if flce_chunk_mem is None else flce_chunk_mem
-    kernels.FP8_HEAD_ROWS = fp8_opts.get("fp8_head_rows", FP8_HEAD_DEFAULT)
     # liger_blocks: Liger's norm/RoPE/SwiGLU inside the compiled blocks too (select_ops keeps torch ops there)
     ops = select_ops(device, liger, compile and not liger_blocks)
     model = meta_model(cfg, ops)
@@ -140,7 +139,6 @@ def build_ours(
         fp8=fp8,
         fp8_all_gather=ag,
         fp8_fast_accum=bool(fp8_opts.get("fast_accum")),
-        fp8_head=bool(fp8_opts.get("fp8_head")),
         reshard_after_forward=reshard,
     )
     if fp8_opts.get("cudnn"):  # SDPA's cuDNN attention instead of flash (run_row resets it)
@@ -272,9 +270,6 @@ LEVERS = {
     "fa": {"fast_accum": True},
     "logits": {"head": "logits"},  # the full logits and a compiled cross-entropy (torchtitan's loss), bf16
     "fp8logits": {"head": "fp8"},  # the same with the head's GEMMs in float8 (full_logits_loss)
-    "fp8head": {"fp8_head": True},  # train.py --fp8-head: float8 head GEMMs, chunked (float8 bases only)
-    "rows16k": {"fp8_head_rows": 16384},  # with +fp8head: chunks of up to 16,384 rows (kernels.FP8_HEAD_ROWS)
-    "rows4k": {"fp8_head_rows": 4096},
 }
 BASES = {"ours_liger_compile": {}, "ours_fp8_tensorwise": {"fp8": "tensorwise"}}
 
@@ -284,12 +279,6 @@ def lever_builder(name: str, cfg, device, cuda: bool):
     base, *levers = name.split("+")
     if base not in BASES or not all(lever in LEVERS for lever in levers):
         raise ValueError(f"unknown row {name!r}: a base of {sorted(BASES)} and levers of {sorted(LEVERS)}")
-    # Combinations that would run as another row under this name: the float8 head needs float8 blocks, the chunk
-    # sizes need the float8 head, and a full-logits loss would replace it.
-    if "fp8head" in levers and (base != "ours_fp8_tensorwise" or {"logits", "fp8logits"} & set(levers)):
-        raise ValueError(f"{name!r}: +fp8head goes on ours_fp8_tensorwise, without +logits/+fp8logits")
-    if {"rows16k", "rows4k"} & set(levers) and "fp8head" not in levers:
-        raise ValueError(f"{name!r}: +rows16k/+rows4k size the chunks of +fp8head")
     opts = dict(BASES[base])
     for lever in levers:
         opts.update(LEVERS[lever])

@@ -200,7 +200,6 @@ class TrainConfig(LoopFlags):
     fp8_fast_accum: bool = _f(
         False, "the backward's float8 GEMMs accumulate fast too, as the forward's do (faster; bench/RESULTS.md)"
     )
-    fp8_head: bool = _f(False, "the head's GEMMs in float8 too (experimental, faster: bench/RESULTS.md)")
     export_dtype: str = _f(
         "float32",
         "dtype of the exported safetensors (bfloat16 halves the size)",

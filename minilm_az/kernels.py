@@ -102,63 +102,6 @@ def chunked_linear_cross_entropy(
     return _ChunkedLinearCE.apply(h, w, targets, ignore_index, reduction, chunk, torch.is_grad_enabled())
 
 
-# Rows of one chunk of the float8 head: a (rows, vocab) bf16 logits block and its gradient live at a time.
-FP8_HEAD_ROWS = 8192
-
-
-def float8_linear_cross_entropy(config, rows: int | None = None) -> Callable:
-    """`linear_cross_entropy` with the head's three GEMMs (the logits, the gradients of h and of w) in float8,
-    scaled as torchao's `config` says (--fp8-head). It walks `rows` rows at a time with the gradients formed in the
-    forward, as `_ChunkedLinearCE` does, so one chunk's logits exist at a time; each chunk's backward is torchao's
-    float8 backward, which autograd runs inside this forward. bench/RESULTS.md (issue 39) has what it pays."""
-    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-
-    gemms = Float8Linear(16, 16, bias=False, config=config, device="meta").linear_mm_config  # the GEMMs' settings
-    rows = rows or FP8_HEAD_ROWS
-
-    @torch.compile  # the cast, the GEMM's epilogue and the cross-entropy as few kernels as Inductor can make them
-    def chunk_nll(h, w, targets, ignore_index: int):
-        logits = matmul_with_hp_or_float8_args.apply(h, w.t(), gemms, config)
-        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
-
-    class Float8LinearCE(_ChunkedLinearCE):  # the same backward: scale the gradients the forward stored
-        @staticmethod
-        def forward(ctx, h, w, targets, ignore_index: int, reduction: str, chunk: int, grad_enabled: bool):
-            n_valid = int((targets != ignore_index).sum())
-            scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
-            need = [grad_enabled and ctx.needs_input_grad[i] for i in (0, 1)]
-            n, pad = h.shape[0], -h.shape[0] % 16  # the weight's gradient sums over rows: float8 takes 16s
-            if pad:  # zero rows with ignored targets add nothing to the loss or to the gradients
-                h, targets = F.pad(h, (0, 0, 0, pad)), F.pad(targets, (0, pad), value=ignore_index)
-            total = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h) if need[0] else None
-            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[1] else None
-            w = w.detach().requires_grad_(need[1])
-            units, k = h.shape[0] // 16, max(-(-h.shape[0] // chunk), 1)
-            # Chunks of 16-row units, all of one size where the rows allow it (one compiled shape).
-            chunk = 16 * max(next((units // j for j in range(k, 2 * k + 1) if units % j == 0), chunk // 16), 1)
-            for s in range(0, h.shape[0], chunk):
-                hc = h[s : s + chunk].detach().requires_grad_(need[0])
-                with torch.set_grad_enabled(any(need)):  # grad mode is off in a Function's forward
-                    nll = chunk_nll(hc, w, targets[s : s + chunk], ignore_index)
-                    wanted = [x for x, want in zip((hc, w), need) if want]
-                    grads = list(torch.autograd.grad(nll, wanted, nll.new_tensor(scale)) if wanted else ())
-                total += nll.detach()
-                if need[0]:  # pop, so that a chunk's (vocab, dim) weight gradient does not live on into the next
-                    grad_h[s : s + chunk] = grads.pop(0)
-                if need[1]:
-                    grad_w += grads.pop(0)
-            ctx.save_for_backward(grad_h[:n] if need[0] else None, grad_w.to(w.dtype) if need[1] else None)
-            return total * scale
-
-    def loss(h, w, targets, reduction: str = "mean", ignore_index: int = -100):
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        return Float8LinearCE.apply(h, w, targets, ignore_index, reduction, rows, torch.is_grad_enabled())
-
-    return loss
-
-
 @dataclass(frozen=True)
 class Ops:
     name: str

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minilm_az import kernels
 from minilm_az.logs import print_error
 
 T = TypeVar("T")
@@ -267,18 +266,15 @@ def apply_compile(model: nn.Module) -> None:
         block.compile(fullgraph=True)
 
 
-def check_fp8(
-    recipe: str, all_gather: str, compile: bool, device: str, world: int, fast_accum: bool = False, head: bool = False
-) -> bool:
+def check_fp8(recipe: str, all_gather: str, compile: bool, device: str, world: int, fast_accum: bool = False) -> bool:
     """Refuse --fp8 where it cannot run; returns whether FSDP2 gathers float8 weights (--fp8-all-gather).
 
     Float8 matmuls need a GPU with float8 tensor cores (compute capability 8.9+) and torchao, and
     `--compile`: uncompiled, the casts to float8 are separate kernels that cost more than the matmuls save.
     """
     if recipe == "none":
-        for flag, given in (("--fp8-fast-accum", fast_accum), ("--fp8-head", head)):
-            if given:
-                raise ValueError(f"{flag} needs --fp8 tensorwise or rowwise")
+        if fast_accum:
+            raise ValueError("--fp8-fast-accum needs --fp8 tensorwise or rowwise")
         return False
     device = resolve_device(device)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -312,10 +308,9 @@ def fp8_pays(recipe: str, linear: nn.Linear) -> bool:
     return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
 
 
-def apply_fp8(model: nn.Module, recipe: str, all_gather: bool, fast_accum: bool = False, head: bool = False) -> None:
+def apply_fp8(model: nn.Module, recipe: str, all_gather: bool, fast_accum: bool = False) -> None:
     """Swap the blocks' `nn.Linear`s that `fp8_pays` picks for torchao's `Float8Linear` (same `weight`, so the
-    same names, checkpoints and export); the embeddings stay bf16, and so does the head unless `head`
-    (`kernels.float8_linear_cross_entropy` takes the place of the fused cross-entropy, same recipe).
+    same names, checkpoints and export); the head and embeddings stay bf16.
 
     `all_gather` (tensorwise only) makes FSDP2 gather weights already cast to float8: half the all-gather
     bytes, for a scale computed once per step (`fp8_scale_hook`). It pays with several GPUs; on one it cost
@@ -328,17 +323,11 @@ def apply_fp8(model: nn.Module, recipe: str, all_gather: bool, fast_accum: bool 
     from torchao.float8.config import Float8GemmConfig
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     if fast_accum:
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    if head:
-        vocab, dim = model.lm_head.weight.shape
-        if vocab % 16 or dim % 16:  # float8 tensor cores take multiples of 16
-            raise ValueError(f"--fp8-head needs a vocabulary ({vocab}) and width ({dim}) that are multiples of 16")
-        loss = kernels.float8_linear_cross_entropy(config)  # the head's weight is no float8 all-gather's
-        model.ops = dataclasses.replace(model.ops, name=f"{model.ops.name}+fp8_head", linear_cross_entropy=loss)
-    if all_gather:
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(
         model.model.layers,
         config=config,
@@ -398,7 +387,6 @@ def parallelize(
     fp8: str = "none",
     fp8_all_gather: bool = False,
     fp8_fast_accum: bool = False,
-    fp8_head: bool = False,
     shard: bool = True,
     reshard_after_forward: bool = True,
     replicate: int = 1,
@@ -409,7 +397,7 @@ def parallelize(
     (LoRA on a frozen bf16 base, on one process), FSDP would only add its hooks and per-parameter copies.
     """
     if fp8 != "none":
-        apply_fp8(model, fp8, fp8_all_gather, fp8_fast_accum, fp8_head)
+        apply_fp8(model, fp8, fp8_all_gather, fp8_fast_accum)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)

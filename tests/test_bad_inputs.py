@@ -620,13 +620,6 @@ ROWS = [
         absent=("{W}/out",),
         fast=True,
     ),
-    Row(
-        "train_fp8_head_without_fp8",
-        f"{TR} --fp8-head --out {{W}}/out",
-        fragment="--fp8-head needs --fp8",
-        absent=("{W}/out",),
-        fast=True,
-    ),
     Row("train_lr_nan", f"{TR} --lr nan --out {{W}}/out", fragment="--lr", absent=("{W}/out",), fast=True),
     Row("train_steps_0", f"{TR} --steps 0 --out {{W}}/out", fragment="--steps", absent=("{W}/out",), fast=True),
     Row(
