@@ -49,7 +49,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: $(SETUP)  ## tokenizer, base model, phase 1, phase 2, control, LoRA chat fine-tune, report (9-12 min on 2 cores)
 	$(PYTHON) -m demo --name $(NAME)
 
-demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~1 min)
+demo-quick: $(SETUP)  ## the same stages with the CI test's few steps (~2 min)
 	$(PYTHON) -m demo --name $(NAME)-quick --quick
 
 report: $(SETUP)  ## rewrite runs/$(NAME)/report.md and its plots from what the run left

@@ -47,9 +47,10 @@ CHAT = os.path.join(ROOT, "data", "chat")
 TRAIN_FILES = [os.path.join(DATA, f) for f in ("mediawiki.txt", "kde.txt", "django.txt")]
 VAL_FILE = os.path.join(DATA, "firefox.txt")
 MARKER = "demo.json"  # proves a run directory is a demo's, so a rerun may replace it
-# Measured: 9.7 min (python -m demo on 2 cores shared with a test run, 2026-12-06) and 11.1 min (a fresh clone's
-# `make demo`, issue 36); `make demo` prints how its own run compares (readme_drift). The Makefile says the same.
-DURATIONS = "the full demo takes 9-12 min on 2 CPU cores, --quick ~1 min"
+# Measured: 9.7 min (python -m demo on 2 cores shared with a test run, 2026-12-06), 11.1 min (a fresh clone's
+# `make demo`, issue 36) and 9.4 min (`make demo` alone on 2 cores, 2026-12-07); --quick 128-133 s alone on 2 cores
+# (2026-12-07). `make demo` prints how its own run compares (readme_drift). The Makefile says the same.
+DURATIONS = "the full demo takes 9-12 min on 2 CPU cores, --quick ~2 min"
 
 
 def readme_drift(readme: str, bpb: dict[str, float | None], minutes: float, cpus: int | None) -> list[str]:
