@@ -59,9 +59,10 @@ def test_engine_modules_fit_the_budget_and_import_no_launcher_cloud_sdk_or_file_
     # LOCAL_RANK is set by hand outside torchrun, one rule for it that the flag parser shares): +20. The fifth
     # audit's (an export refuses a tokenizer changed since the run read it, a tokenizer.json that is a directory or
     # a dangling link said as such, one call that checks a model's tokenizer and loads it, --steps capped at the 8
-    # digits of a checkpoint's name, an adapter's lora_alpha of 0 refused): +20.
+    # digits of a checkpoint's name, an adapter's lora_alpha of 0 refused): +20. Issue 36's cross-entropy on a
+    # CPU, the log-sum-exp and the softmax from one in-place exp (a quarter of the time at a 128k vocabulary): +5.
     # Grow it only with a reason written here.
-    assert sum(lines.values()) <= 5460, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
+    assert sum(lines.values()) <= 5465, f"minilm_az/*.py holds {sum(lines.values())} lines: {lines}"
     for path in ENGINE:
         bad = {m for m in imported_modules(path) if m.split(".")[0] in NOT_IN_ENGINE or m.startswith(NOT_IN_ENGINE)}
         assert not bad, f"{path.name} imports {sorted(bad)}"
