@@ -32,7 +32,7 @@ print('torch', torch.__version__, 'torchao', v('torchao'), 'liger-kernel', v('li
   tt_rows=${TT_ROWS:-tt_bf16,tt_fp8}
   timeout "${TT_S:-230}" $py .peer/peer_torchtitan.py --rows "$tt_rows" --sizes "${TT_SIZES:-14,28}" --out "$J/tt.json" 2>&1 |
     grep -v "^\[rank0\]:\[W" | tee "$OUT/tt.log"
-  rows=${ROWS:-ours_liger_compile@14:28,ours_fp8_tensorwise@14:28,ours_liger_compile+flce4@28,ours_liger_compile+fused@28,ours_liger_compile+flash@28,ours_liger_compile+flex@28,ours_liger_compile+fused+flce4@14:28,ours_fp8_tensorwise+flce4@28,ours_liger_compile+foreach@28}
+  rows=${ROWS:-ours_liger_compile@14:28,ours_fp8_tensorwise@14:28,ours_fp8_tensorwise+fa@14:28,ours_liger_compile+flce0@28,ours_liger_compile+flash@28,ours_liger_compile+flex@28,ours_liger_compile+foreach@28,ours_fp8_tensorwise+fp8logits@14}
   timeout "$(left "${BUDGET:-575}")" $py bench/train_throughput.py --warmup 3 --steps 6 --only "$rows" \
     --profile "${PROFILE:-ours_liger_compile@28,ours_fp8_tensorwise@28}" --out "$J/ours.json" 2>&1 |
     tee "$OUT/ours.log"

@@ -279,6 +279,11 @@ def lever_builder(name: str, cfg, device, cuda: bool):
     base, *levers = name.split("+")
     if base not in BASES or not all(lever in LEVERS for lever in levers):
         raise ValueError(f"unknown row {name!r}: a base of {sorted(BASES)} and levers of {sorted(LEVERS)}")
+    keys = [key for lever in levers for key in LEVERS[lever]]
+    if len(keys) != len(set(keys)):  # only the last would run, under a name that says both
+        raise ValueError(f"{name!r}: two of its levers set the same option")
+    if "head" in keys and "flce_chunk_mem" in keys:
+        raise ValueError(f"{name!r}: +flce* sizes Liger's fused loss, which +logits / +fp8logits replace")
     opts = dict(BASES[base])
     for lever in levers:
         opts.update(LEVERS[lever])
