@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -165,12 +166,19 @@ def test_the_cpu_block_runs_as_written_twice_in_a_fresh_shell_with_a_core_instal
     clone_after_make_demo(clone, quick_demo)
     before = sorted(os.listdir(clone))
     env = fresh_shell_env(tmp_path, core_install)
+    # The README's "about N s on 2 idle cores" is a measurement (49-52 s, 2026-12-07); under the suite the other
+    # worker's load makes it ~75 s, so only a run over 3x the figure says the sentence (or the block) is stale.
+    said = re.search(r"It takes about (\d+) s on 2 idle cores", re.sub(r"\s+", " ", README))
+    assert said, "the README no longer says how long the CPU block takes"
     for attempt in ("first", "second"):
+        t0 = time.monotonic()
         r = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", script], cwd=clone, capture_output=True, text=True, timeout=900, env=env
         )
+        took = time.monotonic() - t0
         where = f"the {attempt} run of the block"
         assert r.returncode == 0, f"{where} failed:\n" + r.stdout[-3000:] + r.stderr[-3000:]
+        assert took <= 3 * int(said[1]), f"{where} took {took:.0f} s; the README says about {said[1]} s"
         assert "fertility" in r.stdout or "tokens_per_word" in r.stdout, where
         assert re.search(r"^train step=5 ", r.stdout, re.M), f"{where}: phase 1 did not train its 5 steps"
         assert re.search(r"^eval step=0 val_loss=\S+ val_bpb=\S+", r.stdout, re.M), where  # --eval-only's line
