@@ -77,7 +77,7 @@ def xdist_scope(nodeid: str) -> str:
     return nodeid if module in SPREAD else module
 
 
-@pytest.hookimpl(optionalhook=True)  # an interpreter without pytest-xdist (CI's SDK 3.x venv) never calls it
+@pytest.hookimpl(optionalhook=True)  # an interpreter without pytest-xdist never calls it
 def pytest_xdist_make_scheduler(config, log):
     """-n N's default (`--dist load`) becomes load by the groups above, in the order of the collection (which
     pytest_collection_modifyitems sorts); an explicit --dist other than load keeps its own scheduler."""
